@@ -1,0 +1,120 @@
+"""PDConnector: the vLLM-facing facade. Role dispatch only; decisions live in the core.
+
+Load with::
+
+    --kv-transfer-config '{"kv_connector":"PDConnector",
+        "kv_connector_module_path":"pd_connector.connector",
+        "kv_role":"kv_producer" | "kv_consumer" | "kv_both",
+        "kv_buffer_device":"cpu" | "cuda",
+        "kv_connector_extra_config":{"side_channel_host":"10.0.0.5","side_channel_port":5660}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from pd_connector.config import parse_settings
+from pd_connector.metadata import PDMetadata
+from pd_connector.vllm_compat import check_supported
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector")
+
+
+class PDConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_transfer = vllm_config.kv_transfer_config
+        self.settings = parse_settings(kv_transfer.kv_connector_extra_config)
+        check_supported(vllm_config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM's Scheduler reads kv_load_failure_policy right after constructing the
+            # connector (Scheduler.__init__): our default is to recompute, never to fail or
+            # return text computed on a bad state.
+            kv_transfer.kv_load_failure_policy = self.settings.load_failure_policy
+            from pd_connector.scheduler import SchedulerHalf
+
+            self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
+        else:
+            from pd_connector.worker import WorkerHalf
+
+            self._worker = WorkerHalf(vllm_config, kv_cache_config, self.settings)
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # A P/D handoff restores every transfer group, not only the prefix-cacheable ones.
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete asynchronously, before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # D pulls from P's KV cache in place; nothing to save
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self._worker.get_transfer_results()
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # pages are copied byte for byte; any layout both sides share works

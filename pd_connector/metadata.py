@@ -1,0 +1,45 @@
+"""Scheduler -> worker messages for one engine step (in-process types, pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class SendLease:
+    """P: blocks of a finished request held for D until ``deadline`` (time.monotonic)."""
+
+    deadline: float
+    block_ids: list[list[int]]
+
+
+@dataclass
+class RecvTask:
+    """D: read these block pairs from P. ``pairs`` None = the handoff could not be paired;
+    the worker reports the load failed so vLLM recomputes the prompt."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    pairs: list[list[tuple[int, int]]] | None
+    num_tokens: int
+
+
+@dataclass
+class ReleaseTask:
+    """D: tell P it may free a request's blocks now (nothing will be read)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+
+
+@dataclass
+class PDMetadata(KVConnectorMetadata):
+    to_send: dict[str, SendLease] = field(default_factory=dict)
+    to_recv: dict[str, RecvTask] = field(default_factory=dict)
+    to_release: list[ReleaseTask] = field(default_factory=list)

@@ -1,0 +1,168 @@
+"""Which of P's blocks feed which of D's blocks, per KV-cache group, for one replay offset.
+
+Pure: ints, tuples and msgspec Structs. The adapters turn vLLM's ``KVCacheGroupSpec`` into
+``GroupLayout`` and block tables into lists of ints.
+
+Invariants (property-tested in tests/unit/test_pairing.py):
+- vLLM's null block (id 0) and Mamba speculative scratch slots are never shipped or written.
+- Attention-type groups pair *by token position*: P's block holding tokens [i*B, (i+1)*B) feeds
+  D's block for the same tokens, for the blocks D did not already hit in its own prefix cache.
+- Each Mamba group ships exactly one slot, the state after ``offset`` tokens, into the slot D
+  resumes from. An end-trim is never written as ``lst[-n:]`` (``lst[-0:]`` is the whole list).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+NULL_BLOCK = 0
+ATTENTION = "attention"
+SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"
+GROUP_KINDS = (ATTENTION, SLIDING_WINDOW, MAMBA)
+
+
+class PairingError(ValueError):
+    """The block tables cannot carry this handoff (a bug or tampered input, never silent)."""
+
+
+class GroupLayout(msgspec.Struct, frozen=True):
+    kind: str
+    block_size: int
+    sliding_window: int = 0
+    # Mamba: trailing speculative scratch slots in the request's block table (vLLM's
+    # ``MambaSpec.num_speculative_blocks``). They hold draft states, never the prompt's state.
+    num_speculative_blocks: int = 0
+    mamba_cache_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tail(ids: list[int], n: int) -> list[int]:
+    """The last ``n`` entries; ``n == 0`` gives [] (unlike ``ids[-0:]``)."""
+    return ids[len(ids) - n :] if n > 0 else []
+
+
+def _window_blocks(layout: GroupLayout, offset: int) -> int:
+    """Blocks a sliding-window group needs to resume at ``offset``: the window ending at the
+    last handed-over token may start mid-block, hence the +1."""
+    return min(cdiv(offset, layout.block_size), cdiv(layout.sliding_window, layout.block_size) + 1)
+
+
+def mamba_state_slot(layout: GroupLayout, ids: list[int]) -> int | None:
+    """The slot of a Mamba block table that holds the running state.
+
+    Mirrors vLLM's ``clip_ssm_state_blocks`` (kv_connector/utils.py): drop up to
+    ``num_speculative_blocks`` trailing scratch slots (keeping at least one), then take the last.
+    Returns None when the table holds no usable slot (empty or null).
+    """
+    if not ids:
+        return None
+    scratch = min(layout.num_speculative_blocks, len(ids) - 1)
+    slot = ids[len(ids) - 1 - scratch]
+    return None if slot == NULL_BLOCK else slot
+
+
+def select_source_blocks(
+    layouts: tuple[GroupLayout, ...], block_ids: tuple[list[int], ...], offset: int
+) -> list[list[int]]:
+    """P side: the blocks that carry KV of tokens [0, offset) and the recurrent state at offset.
+
+    ``block_ids`` is P's per-group table at finish (vLLM ``request_finished_all_groups``).
+    Attention groups: the first ``cdiv(offset, B)`` blocks. Sliding-window groups: the trailing
+    blocks of that range that the window still needs. Mamba groups: the state slot.
+    """
+    if len(layouts) != len(block_ids):
+        raise PairingError(f"{len(block_ids)} block lists for {len(layouts)} KV-cache groups")
+    if offset <= 0:
+        return [[] for _ in layouts]
+    out: list[list[int]] = []
+    for group, (layout, ids) in enumerate(zip(layouts, block_ids)):
+        if layout.kind == MAMBA:
+            slot = mamba_state_slot(layout, list(ids))
+            if slot is None:
+                raise PairingError(f"group {group}: no Mamba state slot in {ids}")
+            out.append([slot])
+            continue
+        n = cdiv(offset, layout.block_size)
+        if len(ids) < n:
+            raise PairingError(
+                f"group {group}: {len(ids)} blocks cannot hold {offset} tokens of "
+                f"block size {layout.block_size}"
+            )
+        blocks = list(ids[:n])
+        if layout.kind == SLIDING_WINDOW:
+            blocks = _tail(blocks, _window_blocks(layout, offset))
+        if NULL_BLOCK in blocks:
+            raise PairingError(f"group {group}: null block among the blocks to send {blocks}")
+        out.append(blocks)
+    return out
+
+
+def pair_blocks(
+    layouts: tuple[GroupLayout, ...],
+    remote_ids: list[list[int]],
+    local_ids: tuple[list[int], ...],
+    offset: int,
+    local_hit: int,
+) -> list[list[tuple[int, int]]]:
+    """D side: ``(P block, D block)`` pairs per group for a load of tokens [local_hit, offset).
+
+    ``remote_ids`` is what P sent (``select_source_blocks``); ``local_ids`` is D's per-group
+    block table after allocation (local prefix hit included); ``local_hit`` is the block-aligned
+    number of tokens D already had. Raises ``PairingError`` when the shapes cannot be reconciled
+    (tampered params or a P with a different layout) so the caller recomputes instead.
+    """
+    if len(layouts) != len(remote_ids) or len(layouts) != len(local_ids):
+        raise PairingError(
+            f"group count mismatch: {len(layouts)} local groups, {len(remote_ids)} remote "
+            f"lists, {len(local_ids)} local lists"
+        )
+    if not 0 <= local_hit < offset:
+        raise PairingError(f"nothing to load: local hit {local_hit}, offset {offset}")
+    pairs: list[list[tuple[int, int]]] = []
+    for group, (layout, remote, local) in enumerate(zip(layouts, remote_ids, local_ids)):
+        if layout.kind == MAMBA:
+            pairs.append(_pair_mamba(group, layout, remote, list(local)))
+            continue
+        n = cdiv(offset, layout.block_size)
+        if len(local) < n:
+            raise PairingError(
+                f"group {group}: D allocated {len(local)} blocks for {offset} tokens"
+            )
+        first_needed = local_hit // layout.block_size
+        expected = n if layout.kind == ATTENTION else _window_blocks(layout, offset)
+        if len(remote) != expected:
+            raise PairingError(
+                f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {expected}"
+            )
+        # Position of remote[0] in the token sequence (sliding windows send only the tail).
+        base = n - len(remote)
+        group_pairs = []
+        for pos in range(max(first_needed, base), n):
+            d_block = local[pos]
+            if d_block == NULL_BLOCK:
+                # D's window does not need this position (sliding window skipped it).
+                continue
+            group_pairs.append((remote[pos - base], d_block))
+        pairs.append(group_pairs)
+    return pairs
+
+
+def _pair_mamba(
+    group: int, layout: GroupLayout, remote: list[int], local: list[int]
+) -> list[tuple[int, int]]:
+    if len(remote) != 1:
+        raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
+    slot = mamba_state_slot(layout, local)
+    if slot is None:
+        raise PairingError(f"group {group}: D has no Mamba state slot in {local}")
+    return [(remote[0], slot)]

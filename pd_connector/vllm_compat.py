@@ -1,0 +1,183 @@
+"""Translate vLLM 0.32 configuration objects into the pure core's plain values.
+
+Everything that knows vLLM's class names lives here, so a vLLM upgrade touches one module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pd_connector.handoff import RecomputeProfile
+from pd_connector.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
+from pd_connector.protocol import EngineCompat, GroupDesc, LayerRegion
+
+
+class UnsupportedConfig(ValueError):
+    """A configuration pd_connector refuses at start-up, with what to change."""
+
+
+def _spec_kind(spec: Any) -> tuple[str, int]:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if isinstance(spec, MambaSpec):
+        return MAMBA, 0
+    if isinstance(spec, SlidingWindowSpec):
+        return SLIDING_WINDOW, spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        # Chunked-local attention frees blocks behind the chunk like a window of that size.
+        return SLIDING_WINDOW, spec.attention_chunk_size
+    if isinstance(spec, FullAttentionSpec):
+        return ATTENTION, 0
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_spec_kind(s) for s in spec.kv_cache_specs.values()}
+        if len(kinds) == 1:
+            return kinds.pop()
+    raise UnsupportedConfig(
+        f"pd_connector does not support KV-cache spec {type(spec).__name__} yet "
+        "(supported: full attention, sliding window, chunked local, Mamba/SSM/GDN)"
+    )
+
+
+def layouts_from_kv_cache_config(kv_cache_config: Any, group_ids: tuple[int, ...]) -> tuple[GroupLayout, ...]:
+    layouts = []
+    for g in group_ids:
+        spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
+        kind, window = _spec_kind(spec)
+        layouts.append(
+            GroupLayout(
+                kind=kind,
+                block_size=spec.block_size,
+                sliding_window=window,
+                num_speculative_blocks=getattr(spec, "num_speculative_blocks", 0) or 0,
+                mamba_cache_mode=getattr(spec, "mamba_cache_mode", "none") or "none",
+            )
+        )
+    return tuple(layouts)
+
+
+def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfile:
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    kinds = [_spec_kind(s)[0] for s in specs]
+    has_mamba = MAMBA in kinds
+    grid = 0
+    cache_config = vllm_config.cache_config
+    if has_mamba and cache_config.enable_prefix_caching:
+        # Align mode stores Mamba state at block boundaries only; hand over on that grid so
+        # D's cache manager registers the state where it will look for it later.
+        grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
+    replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
+    return RecomputeProfile(
+        has_recurrent_state=has_mamba,
+        prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
+        bounded_replay_tokens=int(replay),
+        replay_grid=grid,
+    )
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Refuse, at start-up, what this version cannot transfer correctly."""
+    parallel = vllm_config.parallel_config
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size"):
+        size = getattr(parallel, name, 1) or 1
+        if size != 1:
+            raise UnsupportedConfig(
+                f"pd_connector supports {name}=1 only (got {size}); run one instance per GPU "
+                "or use vLLM's NixlConnector for tensor/pipeline parallel P/D"
+            )
+    device = vllm_config.kv_transfer_config.kv_buffer_device
+    platform = vllm_config.device_config.device_type
+    if device != platform:
+        raise UnsupportedConfig(
+            f"kv_buffer_device={device!r} but the KV cache lives on {platform!r}; pd_connector "
+            f"transfers the KV cache in place: set \"kv_buffer_device\":\"{platform}\""
+        )
+
+
+def regions_from_kv_caches(
+    kv_cache_config: Any, kv_caches: dict[str, Any], group_ids: tuple[int, ...]
+) -> tuple[list[tuple[int, int, int]], list[LayerRegion]]:
+    """(allocations to register, per-layer page map) from vLLM's ``KVCacheTensor`` placement:
+    layer l's page for block b starts at ``offset + l * layer_stride + b * block_stride`` bytes
+    into its backing allocation (vllm/v1/kv_cache_interface.py, KVCacheTensor)."""
+    group_of_layer = {}
+    page_of_group = {}
+    for index, g in enumerate(group_ids):
+        group = kv_cache_config.kv_cache_groups[g]
+        page_of_group[index] = group.kv_cache_spec.page_size_bytes
+        for name in group.layer_names:
+            group_of_layer[name] = index
+    allocations: dict[int, tuple[int, int, int]] = {}
+    regions = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(tensor.layers):
+            if name not in group_of_layer or name not in kv_caches:
+                continue
+            view = kv_caches[name]
+            storage = view.untyped_storage()
+            base = storage.data_ptr()
+            device_id = view.device.index or 0
+            allocations[base] = (base, storage.nbytes(), device_id)
+            addr = base + tensor.offset + i * tensor.layer_stride
+            page = page_of_group[group_of_layer[name]]
+            if view.data_ptr() != addr:
+                raise UnsupportedConfig(
+                    f"layer {name}: KV view starts at +{view.data_ptr() - base} bytes, vLLM's "
+                    f"placement says +{addr - base}; unsupported KV-cache layout"
+                )
+            if addr + (kv_cache_config.num_blocks - 1) * tensor.block_stride + page > base + storage.nbytes():
+                raise UnsupportedConfig(f"layer {name}: page map exceeds its allocation")
+            regions.append(
+                LayerRegion(
+                    name=name,
+                    group=group_of_layer[name],
+                    addr=addr,
+                    block_stride=tensor.block_stride,
+                    page_bytes=page,
+                    num_blocks=kv_cache_config.num_blocks,
+                )
+            )
+    missing = set(group_of_layer) - {r.name for r in regions}
+    if missing:
+        raise UnsupportedConfig(f"no KV-cache placement for layers {sorted(missing)}")
+    regions.sort(key=lambda r: (r.group, r.name))
+    return list(allocations.values()), regions
+
+
+def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, ...]) -> EngineCompat:
+    layouts = layouts_from_kv_cache_config(kv_cache_config, group_ids)
+    groups = []
+    for layout, g in zip(layouts, group_ids):
+        group = kv_cache_config.kv_cache_groups[g]
+        groups.append(
+            GroupDesc(
+                kind=layout.kind,
+                block_size=layout.block_size,
+                page_bytes=group.kv_cache_spec.page_size_bytes,
+                layer_names=sorted(group.layer_names),
+            )
+        )
+    conv_layout = ""
+    if any(layout.kind == MAMBA for layout in layouts):
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        # Pages are copied byte for byte, so P and D must lay conv state out the same way.
+        # vLLM's CPU platform picks DS only for connectors named Nixl* and SD otherwise on
+        # AVX512-BF16 CPUs (vllm/platforms/cpu.py); we compare instead of assuming.
+        conv_layout = str(get_conv_state_layout())
+    model = vllm_config.model_config
+    return EngineCompat(
+        model=os.path.basename(str(model.model).rstrip("/")),
+        dtype=str(model.dtype),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        groups=groups,
+        conv_state_layout=conv_layout,
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+        device=str(vllm_config.kv_transfer_config.kv_buffer_device),
+    )

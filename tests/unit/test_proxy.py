@@ -1,0 +1,394 @@
+"""Proxy tests against in-process fake P and D servers (no vLLM).
+
+Plain asyncio (no pytest plugin): each test body runs under ``asyncio.run`` with a hard timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import socket
+import sys
+import types
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from pd_connector import cli
+from pd_connector import proxy as proxy_mod
+from pd_connector.proxy import PREFILL_KV_PARAMS, build_app
+
+# What a NIXL P returns (shape from vLLM 0.32.0), plus our replay offset.
+P_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2, 3], [6]],
+    "remote_engine_id": "engine-p0",
+    "remote_request_id": "abc-1234abcd",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "remote_num_tokens": 39,
+    "transfer_mode": "pull",
+    "remote_prefill_cached_tokens": 0,
+    "replay_offset": 32,
+}
+SSE_CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
+              b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+def async_test(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=10))
+    return wrapper
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application, *, handler_cancellation: bool = True):
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fake:
+    """A fake vLLM instance that records every request it gets."""
+
+    def __init__(self, name, *, status=200, kv_params=P_PARAMS, stream_chunks=SSE_CHUNKS):
+        self.name, self.status, self.kv_params, self.stream_chunks = (
+            name, status, kv_params, stream_chunks)
+        self.received: list[dict] = []
+        self.app = web.Application()
+        for path in proxy_mod.ROUTES:
+            self.app.router.add_post(path, self.generate)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+
+    async def health(self, request):
+        return web.json_response({})
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.received.append({"path": request.path, "headers": CIMultiDict(request.headers),
+                              "body": body})
+        if self.status != 200:
+            return web.json_response({"error": {"message": f"{self.name} exploded"}},
+                                     status=self.status)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in self.stream_chunks:
+                await resp.write(chunk)
+                await asyncio.sleep(0.01)  # separate TCP writes, so chunking is exercised
+            await resp.write_eof()
+            return resp
+        out = {"id": f"cmpl-{self.name}", "choices": [{"text": f"from {self.name}"}]}
+        if self.kv_params is not None:
+            out["kv_transfer_params"] = self.kv_params
+        return web.json_response(out)
+
+
+@contextlib.asynccontextmanager
+async def stack(n_p=1, n_d=1, p_kwargs=None, d_kwargs=None, proxy_kwargs=None,
+                proxy_cancellation=True):
+    ps = [Fake(f"p{i}", **(p_kwargs or {})) for i in range(n_p)]
+    ds = [Fake(f"d{i}", **{"kv_params": None, **(d_kwargs or {})}) for i in range(n_d)]
+    async with contextlib.AsyncExitStack() as es:
+        p_urls = [await es.enter_async_context(serve(f.app)) for f in ps]
+        d_urls = [await es.enter_async_context(serve(f.app)) for f in ds]
+        app = build_app(p_urls, d_urls, **(proxy_kwargs or {}))
+        url = await es.enter_async_context(serve(app, handler_cancellation=proxy_cancellation))
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        yield types.SimpleNamespace(url=url, ps=ps, ds=ds, p_urls=p_urls, d_urls=d_urls,
+                                    session=session)
+
+
+CLIENT_BODY = {
+    "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0,
+    "ignore_eos": True, "min_tokens": 4, "logprobs": 1,
+}
+
+
+@async_test
+async def test_completion_p_and_d_bodies(caplog):
+    caplog.set_level(logging.INFO, logger="pd_connector.proxy")
+    async with stack() as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY,
+                                  headers={"X-Request-Id": "req-42"}) as r:
+            assert r.status == 200
+            assert await r.json() == {"id": "cmpl-d0", "choices": [{"text": "from d0"}]}
+        (p,), (d,) = s.ps[0].received, s.ds[0].received
+        assert p["path"] == d["path"] == "/v1/completions"
+        assert p["headers"]["X-Request-Id"] == d["headers"]["X-Request-Id"] == "req-42"
+        pb = p["body"]
+        assert pb["max_tokens"] == 1 and pb["stream"] is False
+        assert "min_tokens" not in pb and "stream_options" not in pb
+        assert "max_completion_tokens" not in pb  # only set when the client used it
+        assert pb["kv_transfer_params"] == PREFILL_KV_PARAMS
+        assert pb["prompt"] == CLIENT_BODY["prompt"] and pb["logprobs"] == 1
+        # D: the client's body, untouched, plus exactly what P returned.
+        assert d["body"] == {**CLIENT_BODY, "kv_transfer_params": P_PARAMS}
+    line = [rec.getMessage() for rec in caplog.records if "req=req-42" in rec.getMessage()]
+    assert len(line) == 1
+    assert "p_status=200" in line[0] and "params=True" in line[0]
+    assert "replay_offset=32" in line[0] and "d_status=200" in line[0]
+
+
+@async_test
+async def test_generated_request_id_is_shared():
+    async with stack() as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 200
+            rid = r.headers["X-Request-Id"]
+        assert rid
+        assert s.ps[0].received[0]["headers"]["X-Request-Id"] == rid
+        assert s.ds[0].received[0]["headers"]["X-Request-Id"] == rid
+
+
+@async_test
+async def test_streaming_passthrough_in_order():
+    body = {**CLIENT_BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with stack() as s:
+        async with s.session.post(s.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            got = b""
+            async for chunk in r.content.iter_any():
+                got += chunk
+        assert got == b"".join(SSE_CHUNKS)
+        pb = s.ps[0].received[0]["body"]
+        assert pb["stream"] is False and "stream_options" not in pb and pb["max_tokens"] == 1
+        assert s.ds[0].received[0]["body"] == {**body, "kv_transfer_params": P_PARAMS}
+
+
+@async_test
+async def test_chat_completions_route():
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9, "min_completion_tokens": 2}
+    async with stack() as s:
+        async with s.session.post(s.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        p, d = s.ps[0].received[0], s.ds[0].received[0]
+        assert p["path"] == d["path"] == "/v1/chat/completions"
+        assert p["body"]["max_tokens"] == 1 and p["body"]["max_completion_tokens"] == 1
+        assert "min_completion_tokens" not in p["body"]
+        assert d["body"] == {**body, "kv_transfer_params": P_PARAMS}
+
+
+@async_test
+async def test_prefill_http_error_names_prefill_and_skips_decode():
+    async with stack(p_kwargs={"status": 500}) as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 500
+            err = (await r.json())["error"]
+        assert err["type"] == "prefill_error" and err["upstream"] == s.p_urls[0]
+        assert "prefill" in err["message"] and s.p_urls[0] in err["message"]
+        assert "p0 exploded" in err["message"]  # P's own reason is relayed
+        assert s.ds[0].received == []
+
+
+@async_test
+async def test_prefill_connection_refused_gives_502():
+    dead = f"http://127.0.0.1:{free_port()}"
+    d = Fake("d0")
+    async with serve(d.app) as d_url, serve(build_app([dead], [d_url])) as url:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=CLIENT_BODY) as r:
+                assert r.status == 502
+                err = (await r.json())["error"]
+    assert err["type"] == "prefill_error" and dead in err["message"]
+    assert d.received == []
+
+
+@pytest.mark.parametrize("kv_params", [None, {}])
+@async_test
+async def test_no_params_from_prefill_forwards_plain_body(kv_params):
+    async with stack(p_kwargs={"kv_params": kv_params}) as s:
+        body = {**CLIENT_BODY, "kv_transfer_params": {"client": "junk"}}
+        async with s.session.post(s.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        # The proxy owns kv_transfer_params: the client's value never reaches D.
+        assert s.ds[0].received[0]["body"] == CLIENT_BODY
+
+
+@async_test
+async def test_round_robin_alternates():
+    async with stack(n_p=2, n_d=2) as s:
+        for _ in range(4):
+            async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+                assert r.status == 200
+        assert [len(f.received) for f in s.ps + s.ds] == [2, 2, 2, 2]
+        ids = [f.received[0]["headers"]["X-Request-Id"] for f in s.ps]
+        assert ids[0] != ids[1]
+
+
+@async_test
+async def test_decode_min_recompute_reaches_prefill():
+    async with stack(proxy_kwargs={"decode_min_recompute": 7}) as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 200
+        pb = s.ps[0].received[0]["body"]
+        assert pb["kv_transfer_params"] == {**PREFILL_KV_PARAMS, "pd_min_recompute_tokens": 7}
+        assert s.ds[0].received[0]["body"] == {**CLIENT_BODY, "kv_transfer_params": P_PARAMS}
+
+
+@async_test
+async def test_decode_error_status_passed_through():
+    async with stack(d_kwargs={"status": 400}) as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["message"] == "d0 exploded"
+
+
+@async_test
+async def test_bad_json_is_400():
+    async with stack() as s:
+        async with s.session.post(s.url + "/v1/completions", data=b"{nope") as r:
+            assert r.status == 400
+        assert s.ps[0].received == []
+
+
+@async_test
+async def test_health_and_models():
+    p = Fake("p0")
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with serve(p.app) as p_url, serve(Fake("d0").app) as d_url:
+        async with serve(build_app([p_url], [d_url, dead], health_timeout=1.0)) as url:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/health") as r:
+                    assert r.status == 200
+                    h = await r.json()
+                async with session.get(url + "/v1/models") as r:
+                    assert r.status == 200
+                    assert (await r.json())["data"][0]["id"] == "model-d0"
+    assert [x["healthy"] for x in h["prefill"]] == [True]
+    assert [(x["url"], x["healthy"]) for x in h["decode"]] == [(d_url, True), (dead, False)]
+
+
+@pytest.mark.parametrize("proxy_cancellation", [True, False])
+@pytest.mark.parametrize("chatty", [True, False])
+@async_test
+async def test_client_disconnect_aborts_decode(proxy_cancellation, chatty):
+    """Client leaves mid-stream -> the proxy drops D's connection, whether or not D is sending
+    and whether or not the hosting server cancels handlers on disconnect."""
+    aborted = asyncio.Event()
+    sent_after_first = 0
+
+    async def d_handler(request):
+        nonlocal sent_after_first
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        try:
+            for _ in range(400):  # ~20 s if never aborted
+                await asyncio.sleep(0.05)
+                if chatty:
+                    await resp.write(b"data: more\n\n")
+                    sent_after_first += 1
+        except (ConnectionResetError, asyncio.CancelledError):
+            aborted.set()
+            raise
+        return resp
+
+    d_app = web.Application()
+    d_app.router.add_post("/v1/completions", d_handler)
+    p = Fake("p0")
+    async with serve(p.app) as p_url, serve(d_app) as d_url:
+        app = build_app([p_url], [d_url])
+        async with serve(app, handler_cancellation=proxy_cancellation) as url:
+            async with aiohttp.ClientSession() as session:
+                r = await session.post(url + "/v1/completions",
+                                       json={**CLIENT_BODY, "stream": True})
+                assert (await r.content.readany()).startswith(b"data: first")
+                r.close()  # drop the connection, like a client that went away
+            await asyncio.wait_for(aborted.wait(), timeout=3)
+    if chatty:
+        assert sent_after_first < 60  # stopped well before D finished
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+def test_cli_proxy_args_reach_prefill(monkeypatch):
+    calls = []
+    monkeypatch.setattr(proxy_mod, "run_proxy", lambda *a, **kw: calls.append((a, kw)))
+    argv = ["proxy", "--prefill", "127.0.0.1:1", "--prefill", "127.0.0.1:2",
+            "--decode", "http://127.0.0.1:3/", "--port", "9", "--decode-min-recompute", "5"]
+    assert cli.main(argv) == 0
+    (args, kw), = calls
+    assert args == (["127.0.0.1:1", "127.0.0.1:2"], ["http://127.0.0.1:3/"])
+    assert kw["port"] == 9 and kw["host"] == "127.0.0.1" and kw["decode_min_recompute"] == 5
+
+    @async_test
+    async def check():
+        async with stack(proxy_kwargs={"decode_min_recompute": kw["decode_min_recompute"],
+                                       "timeout": kw["timeout"]}) as s:
+            async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+                assert r.status == 200
+            assert s.ps[0].received[0]["body"]["kv_transfer_params"][
+                "pd_min_recompute_tokens"] == 5
+    check()
+
+
+def test_cli_rejects_negative_min_recompute(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["proxy", "--prefill", "a", "--decode", "b", "--port", "1",
+                  "--decode-min-recompute", "-1"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--help"], "proxy"),
+    (["proxy", "--help"], "--decode-min-recompute"),
+    (["demo", "--help"], "--keep-going"),
+])
+def test_cli_help(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    assert expect in capsys.readouterr().out
+
+
+def test_cli_demo_dispatch(monkeypatch):
+    seen = []
+    fake = types.ModuleType("pd_connector.demo")
+    fake.main = lambda args: seen.append(args) or 3
+    monkeypatch.setitem(sys.modules, "pd_connector.demo", fake)
+    monkeypatch.setattr(sys.modules["pd_connector"], "demo", fake, raising=False)
+    assert cli.main(["demo", "--device", "cuda", "--keep-going"]) == 3
+    assert seen[0].device == "cuda" and seen[0].keep_going is True
+    assert cli.main(["demo"]) == 3
+    assert seen[1].device == "cpu" and seen[1].keep_going is False
+
+
+def test_cli_without_subcommand_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "proxy" in capsys.readouterr().err
+
+
+def test_prefill_body_does_not_mutate_client_body():
+    body = {"prompt": "x", "stream": True, "stream_options": {"a": 1}, "max_tokens": 5}
+    before = json.loads(json.dumps(body))
+    proxy_mod.build_prefill_body(body, 3)
+    proxy_mod.build_decode_body(body, P_PARAMS)
+    assert body == before
