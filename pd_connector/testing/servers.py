@@ -37,6 +37,8 @@ __all__ = [
     "start_many",
     "read_metric",
     "parse_metric",
+    "parse_metric_labels",
+    "read_metric_labels",
 ]
 
 
@@ -105,6 +107,7 @@ class VllmServer:
         log_path: str | os.PathLike | None = None,
         cwd: str | os.PathLike | None = None,
         python: str = sys.executable,
+        stop_grace_s: float = 30.0,
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -141,6 +144,7 @@ class VllmServer:
                 merged[key] = str(value)
         self.env = merged
         self.cwd = str(cwd) if cwd is not None else None
+        self.stop_grace_s = stop_grace_s
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"vllm-{served_model_name}-{self.port}-", suffix=".log")
             os.close(fd)
@@ -211,30 +215,38 @@ class VllmServer:
                 )
             time.sleep(poll_s)
 
-    def stop(self, grace: float = 30.0) -> int | None:
+    def stop(self, grace: float | None = None) -> int | None:
         """Terminate the server's whole process group; return the main process's exit code.
 
-        Idempotent. SIGTERM first (vLLM shuts its EngineCore/Worker down cleanly on it), a second
-        SIGTERM halfway through the grace period (a first one has been seen to be ignored), then
-        SIGKILL for whatever is left in the group.
+        Idempotent. Escalates in three steps within ``grace`` seconds (default
+        ``stop_grace_s``): SIGTERM to the APIServer only (its own shutdown path stops EngineCore
+        and Worker in order), then SIGTERM to the whole group halfway through (a first SIGTERM
+        has been seen to be ignored), then SIGKILL to whatever is left in the group.
         """
         with self._lock:
             proc = self._proc
             if proc is None:
                 return None
             pgid = proc.pid  # start_new_session: group id == the PID we started
-            deadline = time.monotonic() + grace
-            resent = False
-            _signal_group(pgid, signal.SIGTERM)
-            while time.monotonic() < deadline:
+            grace = self.stop_grace_s if grace is None else grace
+            start = time.monotonic()
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            group_termed = False
+            while True:
                 if proc.poll() is not None and not _group_alive(pgid):
                     break
-                if not resent and time.monotonic() > deadline - grace / 2:
+                elapsed = time.monotonic() - start
+                if elapsed >= grace:
+                    _signal_group(pgid, signal.SIGKILL)
+                    break
+                if not group_termed and elapsed >= grace / 2:
                     _signal_group(pgid, signal.SIGTERM)
-                    resent = True
+                    group_termed = True
                 time.sleep(0.2)
-            else:
-                _signal_group(pgid, signal.SIGKILL)
             try:
                 rc = proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
@@ -297,6 +309,17 @@ class VllmServer:
     def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
         return read_metric(self.base_url, name, labels)
 
+    def cache_config(self) -> dict[str, str]:
+        """Labels of ``vllm:cache_config_info``: the *effective* cache settings after vLLM's
+        platform/hybrid adjustments, e.g. ``block_size``, ``effective_attention_block_size``,
+        ``mamba_block_size``, ``mamba_cache_mode``, ``enable_prefix_caching`` (all strings).
+
+        This is the reliable way to learn the attention block size: for a single-group model
+        the log never prints it, and for hybrids it is only logged when vLLM *raises* it.
+        """
+        series = read_metric_labels(self.base_url, "vllm:cache_config_info")
+        return series[0] if series else {}
+
     def __repr__(self) -> str:
         state = "running" if self.is_running() else ("stopped" if self._proc else "new")
         return f"VllmServer({self.served_model_name!r}, {self.base_url}, pid={self.pid}, {state})"
@@ -357,6 +380,15 @@ def _group_alive(pgid: int) -> bool:
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    # Exposition format escapes \\, \" and \n inside label values.
+    return {
+        k: _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
+        for k, v in _LABEL.findall(text or "")
+    }
 
 
 def parse_metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
@@ -375,7 +407,7 @@ def parse_metric(text: str, name: str, labels: Mapping[str, str] | None = None) 
             m = _SAMPLE.match(line)
             if not m or m.group(1) != candidate:
                 continue
-            got = dict(_LABEL.findall(m.group(3) or ""))
+            got = _labels(m.group(3))
             if any(got.get(k) != v for k, v in want.items()):
                 continue
             total += float(m.group(4))
@@ -383,6 +415,22 @@ def parse_metric(text: str, name: str, labels: Mapping[str, str] | None = None) 
         if found:
             return total
     return None
+
+
+def parse_metric_labels(text: str, name: str) -> list[dict[str, str]]:
+    """Label sets of every sample of ``name`` (for info-style gauges such as cache_config_info)."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#") and m.group(1) == name:
+            out.append(_labels(m.group(3)))
+    return out
+
+
+def read_metric_labels(base_url: str, name: str, timeout: float = 10.0) -> list[dict[str, str]]:
+    """GET ``base_url/metrics`` and return :func:`parse_metric_labels` of it."""
+    with _OPENER.open(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
+        return parse_metric_labels(resp.read().decode("utf-8", "replace"), name)
 
 
 def read_metric(

@@ -1,0 +1,36 @@
+"""The CPU test matrix: which tiny models run P/D on vLLM CPU 0.32.0, with which flags.
+
+Facts behind the flags (../shared/reference/cpu-recipes.md, sections 3, 8, 10):
+- float32 everywhere: bf16 flips near-tied tokens of random models across the P/D split.
+- Mamba2 hybrids need ``--no-enable-prefix-caching`` (the CPU SSD kernel crashes in align mode).
+- ``--block-size 32``: CPU attention wants multiples of 32; small blocks put block boundaries
+  inside short prompts, which is where off-by-one handoffs show.
+"""
+
+from __future__ import annotations
+
+import random
+
+REQUESTED_BLOCK = 32
+
+CPU_MODELS: dict[str, list[str]] = {
+    "llama": ["--block-size", str(REQUESTED_BLOCK)],
+    "nemotron_h": ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"],
+    "granite_hybrid": ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"],
+}
+# The attention block vLLM actually uses (measured; vLLM raises it until an attention page is at
+# least a Mamba page: Granite's single KV head needs 64 tokens in float32).
+ATTENTION_BLOCK: dict[str, int] = {"llama": 32, "nemotron_h": 32, "granite_hybrid": 64}
+HYBRIDS = ("nemotron_h", "granite_hybrid")
+
+
+def boundary_lengths(block: int = REQUESTED_BLOCK) -> list[int]:
+    """Prompt lengths on and around block boundaries, plus the degenerate and long cases."""
+    b = block
+    return [1, 2, 5, b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b, 3 * b + 7, 6 * b + 8, 8 * b + 1, 400]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """Token ids 4..999: the tiny tokenizer's four special tokens are 0..3."""
+    rng = random.Random(seed * 7919 + n)
+    return [rng.randrange(4, 1000) for _ in range(n)]

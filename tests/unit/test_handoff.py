@@ -1,0 +1,526 @@
+"""Pure tests of pd_connector.handoff: P's choice of the replay offset and D's validation.
+
+No vLLM, NIXL, torch or sockets. Background: docs/reference "vllm-pd-internals" sections 3.1
+(vLLM 0.32's implicit backoff rule) and 4.3 (replay boundaries).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from pd_connector.handoff import (
+    Accepted,
+    RecomputeProfile,
+    Refused,
+    choose_replay_offset,
+    decide_on_decode,
+    min_recompute_tokens,
+)
+from pd_connector.protocol import (
+    KEY_MIN_RECOMPUTE,
+    KEY_REPLAY_OFFSET,
+    KEY_VERSION,
+    PROTOCOL_VERSION,
+    HandoffParams,
+)
+
+# Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively
+# (plain loops, far cheaper) so the suite stays fast while covering >100k configurations.
+FAST = settings(max_examples=300, deadline=None)
+MANY = settings(max_examples=600, deadline=None)
+
+# --- strategies -------------------------------------------------------------------------------
+
+profiles = st.builds(
+    RecomputeProfile,
+    has_recurrent_state=st.booleans(),
+    prefill_lookahead=st.integers(0, 6),
+    bounded_replay_tokens=st.one_of(st.just(0), st.integers(0, 8)),
+    replay_grid=st.one_of(st.just(0), st.integers(1, 64), st.sampled_from([8, 16, 32, 64, 128])),
+)
+# The skew scenario of the brief: EAGLE-family lookahead 0..4, recurrent or not, no grid.
+skew_profiles = st.builds(
+    RecomputeProfile,
+    has_recurrent_state=st.booleans(),
+    prefill_lookahead=st.integers(0, 4),
+)
+prompt_lengths = st.integers(1, 5000)
+
+
+def vllm_backoff(profile: RecomputeProfile) -> int:
+    """vLLM 0.32 ``_prefill_backoff`` (reference 3.1), for profiles without bounded replay."""
+    return max(1 if profile.has_recurrent_state else 0, profile.prefill_lookahead - 1)
+
+
+def returned_params(
+    offset: int,
+    source: list[list[int]],
+    *,
+    engine_id: str = "prefill-engine-0",
+    request_id: str = "cmpl-abc-0",
+    host: str = "127.0.0.1",
+    port: int = 5660,
+) -> dict:
+    """The dict ``pd_connector/scheduler.py::SchedulerHalf._returned_params`` builds (mirrored
+    here because the scheduler module is the vLLM adapter and is not imported by unit tests)."""
+    return {
+        "do_remote_prefill": offset > 0,
+        "do_remote_decode": False,
+        "remote_block_ids": source,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": offset,
+        "remote_blocks_expiry_time": None,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
+        KEY_REPLAY_OFFSET: offset,
+        KEY_VERSION: PROTOCOL_VERSION,
+    }
+
+
+def valid_params(offset: int = 10, **overrides) -> dict:
+    out = returned_params(offset, [[1, 2, 3]] if offset else [])
+    out.update(overrides)
+    return out
+
+
+# --- min_recompute_tokens ---------------------------------------------------------------------
+
+
+@FAST
+@given(profiles)
+def test_min_recompute_is_at_least_one_and_covers_every_term(profile):
+    need = min_recompute_tokens(profile)
+    assert need >= 1
+    assert need >= profile.prefill_lookahead - 1
+    assert need >= profile.bounded_replay_tokens
+    assert need >= vllm_backoff(profile)
+
+
+@pytest.mark.parametrize(
+    "recurrent, lookahead, expected",
+    [
+        # Table of reference section 3.1 (b), with pd_connector's explicit floor of 1.
+        (False, 0, 1),  # pure attention, no spec decode: vLLM b = 0 (full-hit rule rewinds 1)
+        (False, 1, 1),  # pure attention, EAGLE / single-module MTP
+        (False, 3, 2),  # pure attention, multi-module MTP K=3 -> K-1
+        (True, 0, 1),  # hybrid, no spec decode
+        (True, 1, 1),  # hybrid, EAGLE
+        (True, 2, 1),  # hybrid, MTP K=2 -> max(1, 1)
+        (True, 4, 3),  # hybrid, MTP K=4 -> max(1, 3)
+    ],
+)
+def test_min_recompute_matches_reference_table(recurrent, lookahead, expected):
+    profile = RecomputeProfile(has_recurrent_state=recurrent, prefill_lookahead=lookahead)
+    assert min_recompute_tokens(profile) == expected
+
+
+# --- choose_replay_offset ---------------------------------------------------------------------
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(-10, 6000))
+def test_choose_offset_bounds(n, profile, requested):
+    offset = choose_replay_offset(n, profile, requested)
+    assert isinstance(offset, int) and not isinstance(offset, bool)
+    assert 0 <= offset < n
+    if offset > 0:
+        assert offset <= n - min_recompute_tokens(profile)
+        assert offset <= n - requested
+        assert n - offset >= max(min_recompute_tokens(profile), requested)
+    if profile.replay_grid > 0:
+        assert offset % profile.replay_grid == 0
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(0, 6000))
+def test_choose_offset_backs_off_no_further_than_needed(n, profile, requested):
+    """The offset is the *largest* admissible one: the next grid point (or next token) would
+    leave too few tokens to recompute."""
+    offset = choose_replay_offset(n, profile, requested)
+    tail = max(min_recompute_tokens(profile), requested)
+    step = profile.replay_grid or 1
+    assert offset + step > n - tail
+
+
+@pytest.mark.parametrize("n", [0, -1, -100])
+def test_choose_offset_for_empty_prompt_is_zero(n):
+    assert choose_replay_offset(n, RecomputeProfile(has_recurrent_state=True)) == 0
+
+
+@MANY
+@given(
+    st.integers(1, 5000),
+    st.booleans(),
+    st.integers(0, 6),
+    st.data(),
+)
+def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
+    """vLLM 0.32: P prefills N - b with b = max(1 if recurrent else 0, lookahead - 1), when
+    b >= 1 and N > b. Without a grid, bounded replay or a larger request, we agree exactly."""
+    profile = RecomputeProfile(has_recurrent_state=recurrent, prefill_lookahead=lookahead)
+    b = vllm_backoff(profile)
+    requested = data.draw(st.integers(0, b), label="requested")
+    offset = choose_replay_offset(n, profile, requested)
+    if b >= 1:
+        # vLLM truncates only when N > b; otherwise D recomputes the whole prompt (offset 0).
+        assert offset == (n - b if n > b else 0)
+    else:
+        # b == 0: vLLM hands over all N and rewinds one on D (full-hit rule); we hand over N-1.
+        assert offset == n - 1
+
+
+@pytest.mark.parametrize(
+    "n, profile, requested, expected",
+    [
+        (40, RecomputeProfile(has_recurrent_state=True), 0, 39),  # reference 3.2 example
+        (40, RecomputeProfile(), 0, 39),
+        (40, RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3), 0, 38),
+        (40, RecomputeProfile(has_recurrent_state=True), 2, 38),  # D runs MTP K=3
+        (128, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 96),
+        (129, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 128),
+        (31, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 0),
+        (1, RecomputeProfile(), 0, 0),
+        (2, RecomputeProfile(), 0, 1),
+        (5, RecomputeProfile(), 10, 0),
+        (10, RecomputeProfile(bounded_replay_tokens=4), 0, 6),
+    ],
+)
+def test_choose_offset_examples(n, profile, requested, expected):
+    assert choose_replay_offset(n, profile, requested) == expected
+
+
+ALL_PROFILES = [
+    RecomputeProfile(rec, la, bounded, grid)
+    for rec in (False, True)
+    for la in range(7)
+    for bounded in (0, 1, 3)
+    for grid in (0, 1, 3, 8, 16)
+]
+
+
+def test_choose_offset_exhaustive_small_prompts():
+    """Every prompt length 1..96 x 210 profiles x requested tails: bounds, grid and maximality
+    (about 120k configurations, plain loops)."""
+    for profile in ALL_PROFILES:
+        need = min_recompute_tokens(profile)
+        step = profile.replay_grid or 1
+        for requested in (-3, 0, 1, 2, 3, 5, 40, 500):
+            tail = max(need, requested)
+            for n in range(1, 97):
+                offset = choose_replay_offset(n, profile, requested)
+                ctx = (n, profile, requested, offset)
+                assert 0 <= offset < n, ctx
+                assert offset == 0 or n - offset >= tail, ctx
+                assert offset % step == 0, ctx
+                assert offset + step > n - tail, ctx
+
+
+@FAST
+@given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
+def test_choose_offset_monotone_in_requested(n, profile, r1, r2):
+    lo, hi = sorted((r1, r2))
+    assert choose_replay_offset(n, profile, hi) <= choose_replay_offset(n, profile, lo)
+
+
+# --- decide_on_decode: arbitrary junk never raises ----------------------------------------------
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
+junk = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.tuples(children, children),
+        st.dictionaries(st.one_of(st.text(max_size=6), st.integers()), children, max_size=4),
+    ),
+    max_leaves=20,
+)
+known_keys = st.sampled_from(
+    list(HandoffParams.__struct_fields__) + ["remote_blocks_expiry_time", "tp_size", KEY_MIN_RECOMPUTE]
+)
+
+
+@st.composite
+def tampered_params(draw):
+    """Valid P output with some known keys replaced by junk (or deleted)."""
+    n = draw(st.integers(2, 500))
+    raw = valid_params(draw(st.integers(0, n - 1)))
+    for key in draw(st.lists(known_keys, max_size=4)):
+        if draw(st.booleans()):
+            raw[key] = draw(junk)
+        else:
+            raw.pop(key, None)
+    return raw
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(junk, st.dictionaries(st.text(max_size=20), junk, max_size=6), tampered_params()),
+    st.integers(-5, 1000),
+    profiles,
+)
+def test_decide_never_raises_on_junk(raw, n, profile):
+    decision = decide_on_decode(raw, n, profile)
+    assert isinstance(decision, (Accepted, Refused))
+    if isinstance(decision, Refused):
+        assert isinstance(decision.kind, str) and decision.kind
+        assert isinstance(decision.reason, str) and decision.reason
+        return
+    # Anything accepted must honour D's own requirement.
+    assert 0 <= decision.offset < n
+    assert decision.offset == 0 or n - decision.offset >= min_recompute_tokens(profile)
+    assert decision.params.replay_offset == decision.offset
+    assert decision.params.remote_num_tokens in (None, decision.offset)
+
+
+@pytest.mark.parametrize(
+    "raw", [None, 0, "replay_offset", [("replay_offset", 3)], b"{}", 3.5, object()]
+)
+def test_decide_refuses_non_dict_as_malformed(raw):
+    d = decide_on_decode(raw, 100, RecomputeProfile())
+    assert isinstance(d, Refused) and d.kind == "malformed" and d.params is None
+
+
+# --- decide_on_decode: specific refusals ------------------------------------------------------
+
+
+def refused(raw, n=100, profile=RecomputeProfile(), kind=None) -> Refused:
+    d = decide_on_decode(raw, n, profile)
+    assert isinstance(d, Refused), d
+    if kind is not None:
+        assert d.kind == kind, d
+    return d
+
+
+def test_missing_offset_is_refused_as_missing_offset():
+    # What vLLM's NixlConnector sends: no replay_offset, no protocol version.
+    nixl_params = valid_params()
+    del nixl_params[KEY_REPLAY_OFFSET]
+    del nixl_params[KEY_VERSION]
+    d = refused(nixl_params, kind="missing_offset")
+    assert d.params is None
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, -1, PROTOCOL_VERSION + 1, "1", True, False, 1.5])
+def test_version_mismatch_is_refused(version):
+    raw = valid_params()
+    if version is None:
+        del raw[KEY_VERSION]
+    else:
+        raw[KEY_VERSION] = version
+    d = refused(raw, kind="version_mismatch")
+    assert repr(version) in d.reason
+    assert str(PROTOCOL_VERSION) in d.reason
+
+
+def test_bool_version_true_is_a_mismatch_not_version_one():
+    assert True == PROTOCOL_VERSION  # noqa: E712 - the trap this test pins
+    refused(valid_params(**{KEY_VERSION: True}), kind="version_mismatch")
+
+
+@pytest.mark.parametrize("offset", [True, False])
+def test_bool_offset_is_refused(offset):
+    refused(valid_params(replay_offset=offset, remote_num_tokens=None), kind="malformed")
+
+
+@pytest.mark.parametrize("offset", [-1, -100, -(2**63)])
+def test_negative_offset_is_refused(offset):
+    refused(valid_params(replay_offset=offset, remote_num_tokens=None), kind="offset_out_of_range")
+
+
+@pytest.mark.parametrize("offset", ["10", 10.0, None, [10], {"v": 10}])
+def test_non_int_offset_is_refused(offset):
+    refused(valid_params(replay_offset=offset, remote_num_tokens=None), kind="malformed")
+
+
+@FAST
+@given(st.integers(1, 2000), st.data())
+def test_offset_at_or_beyond_prompt_is_refused(n, data):
+    offset = data.draw(st.one_of(st.just(n), st.integers(n, 2**64)), label="offset")
+    d = refused(
+        valid_params(offset, remote_num_tokens=offset), n=n, kind="offset_out_of_range"
+    )
+    assert d.params is not None and d.params.replay_offset == offset  # P can still be released
+
+
+@FAST
+@given(st.integers(2, 2000), profiles.filter(lambda p: min_recompute_tokens(p) > 1), st.data())
+def test_offset_leaving_too_few_tokens_is_refused(n, profile, data):
+    need = min_recompute_tokens(profile)
+    if n <= need:
+        return
+    offset = data.draw(st.integers(n - need + 1, n - 1), label="offset")
+    d = refused(valid_params(offset), n=n, profile=profile, kind="offset_above_requirement")
+    assert str(need) in d.reason and d.params is not None
+
+
+def test_offset_above_requirement_example():
+    # D runs MTP K=4 (needs 3 tokens), P backed off 1 only (plain hybrid).
+    d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=4)
+    d = refused(valid_params(39), n=40, profile=d_profile, kind="offset_above_requirement")
+    assert KEY_MIN_RECOMPUTE in d.reason
+    assert isinstance(decide_on_decode(valid_params(37), 40, d_profile), Accepted)
+
+
+@FAST
+@given(st.integers(2, 2000), st.data())
+def test_remote_num_tokens_disagreeing_with_offset_is_refused(n, data):
+    offset = data.draw(st.integers(0, n - 1), label="offset")
+    other = data.draw(st.integers(0, 2**63).filter(lambda x: x != offset), label="remote_num_tokens")
+    d = refused(valid_params(offset, remote_num_tokens=other), n=n, kind="inconsistent_params")
+    assert d.params is not None
+
+
+def test_remote_num_tokens_absent_is_accepted():
+    raw = valid_params(10)
+    del raw["remote_num_tokens"]
+    d = decide_on_decode(raw, 100, RecomputeProfile())
+    assert isinstance(d, Accepted) and d.offset == 10 and d.params.remote_num_tokens is None
+
+
+def test_offset_zero_is_accepted_as_empty_handoff():
+    d = decide_on_decode(returned_params(0, []), 100, RecomputeProfile(prefill_lookahead=5))
+    assert isinstance(d, Accepted) and d.offset == 0
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"remote_port": 0},
+        {"remote_port": 65536},
+        {"remote_port": True},
+        {"remote_host": ""},
+        {"remote_engine_id": ""},
+        {"remote_request_id": ""},
+        {"remote_block_ids": [[1, 0, 2]]},
+        {"remote_block_ids": [[1], [-3]]},
+        {"remote_block_ids": [[True]]},
+        {"remote_block_ids": [1, 2]},
+        {"remote_block_ids": None},
+    ],
+)
+def test_malformed_fields_are_refused(override):
+    refused(valid_params(**override), kind="malformed")
+
+
+@pytest.mark.parametrize("key", ["remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"])
+def test_missing_required_field_is_refused(key):
+    raw = valid_params()
+    del raw[key]
+    refused(raw, kind="malformed")
+
+
+# --- round trip: P's own output is accepted ---------------------------------------------------
+
+
+@st.composite
+def p_source(draw, offset):
+    if offset == 0:
+        return []
+    n_groups = draw(st.integers(1, 4))
+    return [draw(st.lists(st.integers(1, 2**31), min_size=1, max_size=8)) for _ in range(n_groups)]
+
+
+@FAST
+@given(prompt_lengths, profiles, profiles, st.integers(0, 16), st.data())
+def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
+    """P chooses R with D's requirement (or more) and returns params the way the scheduler
+    does: D accepts exactly R."""
+    requested = min_recompute_tokens(d_profile) + extra
+    offset = choose_replay_offset(n, p_profile, requested)
+    source = data.draw(p_source(offset), label="source")
+    raw = returned_params(
+        offset,
+        source,
+        engine_id=data.draw(st.text(min_size=1, max_size=10), label="engine"),
+        request_id=data.draw(st.text(min_size=1, max_size=10), label="rid"),
+        port=data.draw(st.integers(1, 65535), label="port"),
+    )
+    d = decide_on_decode(raw, n, d_profile)
+    assert isinstance(d, Accepted), d
+    assert d.offset == offset
+    assert d.params.remote_block_ids == source
+    assert d.params.remote_num_tokens == offset
+    assert d.params.do_remote_prefill == (offset > 0)
+
+
+# --- the skew property ------------------------------------------------------------------------
+
+
+@MANY
+@given(prompt_lengths, skew_profiles, skew_profiles)
+def test_skew_d_accepts_when_p_is_told_d_requirement(n, p_profile, d_profile):
+    offset = choose_replay_offset(n, p_profile, min_recompute_tokens(d_profile))
+    d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
+    assert isinstance(d, Accepted), (p_profile, d_profile, d)
+    assert d.offset == offset
+    assert offset == 0 or n - offset >= min_recompute_tokens(d_profile)
+
+
+@MANY
+@given(prompt_lengths, skew_profiles, skew_profiles)
+@example(40, RecomputeProfile(True, 1), RecomputeProfile(True, 3))  # b_P=1, b_D=2: phantom
+@example(40, RecomputeProfile(True, 3), RecomputeProfile(True, 1))  # b_P=2, b_D=1: skipped
+def test_skew_d_never_accepts_too_short_a_tail_when_p_is_not_told(n, p_profile, d_profile):
+    offset = choose_replay_offset(n, p_profile)
+    d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
+    if isinstance(d, Accepted):
+        assert d.offset == offset
+        assert offset == 0 or n - offset >= min_recompute_tokens(d_profile)
+    else:
+        assert d.kind == "offset_above_requirement"
+        assert 0 < offset and n - offset < min_recompute_tokens(d_profile)
+
+
+def test_skew_exhaustive_small_prompts():
+    """Every P/D pair of (recurrent, lookahead 0..4) profiles, prompts 1..160, told and untold."""
+    sk = [RecomputeProfile(rec, la) for rec in (False, True) for la in range(5)]
+    for p_profile in sk:
+        for d_profile in sk:
+            need = min_recompute_tokens(d_profile)
+            for n in range(1, 161):
+                told = choose_replay_offset(n, p_profile, need)
+                d = decide_on_decode(returned_params(told, [[7]] if told else []), n, d_profile)
+                assert isinstance(d, Accepted) and d.offset == told, (n, p_profile, d_profile, d)
+                untold = choose_replay_offset(n, p_profile)
+                d = decide_on_decode(returned_params(untold, [[7]] if untold else []), n, d_profile)
+                ok = untold == 0 or n - untold >= need
+                if ok:
+                    assert isinstance(d, Accepted) and d.offset == untold
+                else:
+                    assert isinstance(d, Refused) and d.kind == "offset_above_requirement"
+
+
+def test_skew_mtp_mismatch_from_reference_is_refused_not_silent():
+    """Reference 3.6: P with num_speculative_tokens=1 and D with 3 (multi-module MTP, hybrid).
+    vLLM desyncs silently; here D refuses unless routed with its requirement."""
+    p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
+    d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=4)
+    n = 40
+    untold = choose_replay_offset(n, p_profile)
+    refused(returned_params(untold, [[7]]), n=n, profile=d_profile, kind="offset_above_requirement")
+    told = choose_replay_offset(n, p_profile, min_recompute_tokens(d_profile))
+    assert isinstance(decide_on_decode(returned_params(told, [[7]]), n, d_profile), Accepted)
+    assert told == n - 3
+
+
+# A little arithmetic sanity of the property above, independent of the module.
+def test_vllm_backoff_helper_matches_reference_table():
+    assert vllm_backoff(RecomputeProfile()) == 0
+    assert vllm_backoff(RecomputeProfile(prefill_lookahead=4)) == 3
+    assert vllm_backoff(RecomputeProfile(has_recurrent_state=True)) == 1
+    assert vllm_backoff(RecomputeProfile(has_recurrent_state=True, prefill_lookahead=2)) == 1

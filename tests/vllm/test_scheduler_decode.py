@@ -1,0 +1,175 @@
+"""D half against vLLM's real Scheduler: validate P's offset, load exactly R, recompute [R, N)."""
+
+import pytest
+from harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+HYBRID = ("attention", "mamba")
+
+
+def p_params(model_dir, prompt, groups, **extra):
+    """Real P output for ``prompt`` (what a router would forward to D)."""
+    p = make_scheduler(model_dir, "kv_producer", groups=groups)
+    req = make_request(prompt, {"do_remote_decode": True, **extra})
+    p.add_request(req)
+    for _ in range(3):
+        done = finished_params(run_step(p)[1])
+        if req.request_id in done:
+            return done[req.request_id]
+    raise AssertionError("P did not finish")
+
+
+def admit(d, prompt, params):
+    req = make_request(prompt, dict(params) if isinstance(params, dict) else params)
+    d.add_request(req)
+    out, _ = run_step(d)
+    return req, out
+
+
+@pytest.mark.parametrize("groups", [("attention",), HYBRID, ("mamba", "attention", "mamba")])
+@pytest.mark.parametrize("n", [2, 16, 17, 32, 33, 47])
+def test_d_loads_exactly_the_offset_and_recomputes_the_tail(model_dir, groups, n):
+    prompt = list(range(100, 100 + n))
+    params = p_params(model_dir, prompt, groups)
+    r = params["replay_offset"]
+    d = make_scheduler(model_dir, "kv_consumer", groups=groups)
+    req, out = admit(d, prompt, params)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.num_computed_tokens == r
+    assert out.num_scheduled_tokens == {}
+    task = out.kv_connector_metadata.to_recv[req.request_id]
+    assert task.num_tokens == r and task.remote_request_id == params["remote_request_id"]
+    local = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
+    for kind, sent, pairs, mine in zip(groups, params["remote_block_ids"], task.pairs, local):
+        if kind == "mamba":
+            assert pairs == [(sent[0], clip_ssm_state_blocks(list(mine), 0)[0])]
+        else:
+            assert pairs == list(zip(sent, mine[: len(sent)])), "position-by-position"
+    # The worker reports the load done: D now prefills exactly N - R tokens.
+    out, _ = run_step(d, kv_output=KVConnectorOutput(finished_recving={req.request_id}))
+    out, _ = run_step(d)
+    assert out.num_scheduled_tokens == {req.request_id: n - r}
+
+
+TAMPERED = {
+    "offset_at_prompt_length": lambda p, n: {**p, "replay_offset": n, "remote_num_tokens": n},
+    "negative_offset": lambda p, n: {**p, "replay_offset": -1},
+    "bool_offset": lambda p, n: {**p, "replay_offset": True},
+    "string_offset": lambda p, n: {**p, "replay_offset": "30"},
+    "missing_offset": lambda p, n: {k: v for k, v in p.items() if k != "replay_offset"},
+    "other_protocol_version": lambda p, n: {**p, "pd_protocol_version": 99},
+    "offset_disagrees_with_remote_num_tokens": lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1},
+    "null_block_id": lambda p, n: {**p, "remote_block_ids": [[0] + p["remote_block_ids"][0][1:], p["remote_block_ids"][1]]},
+    "block_ids_not_a_list": lambda p, n: {**p, "remote_block_ids": "1,2,3"},
+    "port_out_of_range": lambda p, n: {**p, "remote_port": 70000},
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERED))
+def test_d_refuses_tampered_params_and_prefills_locally(model_dir, tamper):
+    n = 40
+    prompt = list(range(100, 100 + n))
+    params = TAMPERED[tamper](p_params(model_dir, prompt, HYBRID), n)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    req, out = admit(d, prompt, params)
+    assert out.num_scheduled_tokens == {req.request_id: n}, "full local prefill"
+    assert not out.kv_connector_metadata.to_recv
+    stats = connector_half(d).stats
+    assert sum(v for k, v in stats.items() if k.startswith("refused_")) == 1
+
+
+def test_d_refusal_releases_p_blocks_when_params_decode(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    params["replay_offset"] = params["remote_num_tokens"] = 40
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    _, out = admit(d, prompt, params)
+    (release,) = out.kv_connector_metadata.to_release
+    assert release.remote_request_id == params["remote_request_id"]
+
+
+def test_d_refuses_an_offset_above_its_own_requirement(model_dir):
+    """Config skew: D needs 3 recompute tokens (e.g. multi-module MTP), P offered N - 1."""
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    half = connector_half(d)
+    half.profile = type(half.profile)(has_recurrent_state=True, prefill_lookahead=4)
+    _, out = admit(d, prompt, params)
+    assert half.stats["refused_offset_above_requirement"] == 1
+    assert list(out.num_scheduled_tokens.values()) == [40]
+
+
+def test_d_failed_load_is_recomputed_locally_by_default(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    req, _ = admit(d, prompt, params)
+    rid = req.request_id
+    run_step(d, kv_output=KVConnectorOutput(finished_recving={rid}, failed_recving={rid}))
+    out, _ = run_step(d)
+    assert out.num_scheduled_tokens == {rid: 40}
+    assert req.status == RequestStatus.RUNNING
+
+
+def test_d_failed_load_fails_the_request_under_fail_policy(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID, extra_config={"load_failure_policy": "fail"})
+    req, _ = admit(d, prompt, params)
+    rid = req.request_id
+    _, outputs = run_step(d, kv_output=KVConnectorOutput(finished_recving={rid}, failed_recving={rid}))
+    assert rid in finished_params(outputs)
+    assert req.status == RequestStatus.FINISHED_ERROR
+
+
+def test_d_aborted_before_admission_releases_p(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID, num_blocks=3)  # too small to admit
+    req = make_request(prompt, dict(params))
+    d.add_request(req)
+    run_step(d)
+    d.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(d)
+    assert [t.remote_request_id for t in out.kv_connector_metadata.to_release] == [params["remote_request_id"]]
+
+
+def test_d_local_prefix_hit_loads_only_the_missing_blocks(model_dir):
+    shared = list(range(200, 248))  # 3 full blocks
+    d = make_scheduler(model_dir, "kv_consumer", groups=("attention",), prefix_caching=True)
+    warm = make_request(shared + [5, 6, 7], None, max_tokens=1)
+    d.add_request(warm)
+    for _ in range(3):
+        run_step(d)
+    prompt = shared + list(range(300, 312))
+    params = p_params(model_dir, prompt, ("attention",))
+    r = params["replay_offset"]
+    req, out = admit(d, prompt, params)
+    task = out.kv_connector_metadata.to_recv[req.request_id]
+    assert task.num_tokens == r - 48
+    (pairs,) = task.pairs
+    mine = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()[0]
+    assert pairs == [(params["remote_block_ids"][0][3], mine[3])], "only the block past the hit"
+
+
+def test_d_mamba_scratch_slots_are_never_written(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID, num_speculative_blocks=2)
+    req, out = admit(d, prompt, params)
+    mamba_table = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()[1]
+    (pair,) = out.kv_connector_metadata.to_recv[req.request_id].pairs[1]
+    assert pair[1] == clip_ssm_state_blocks(list(mamba_table), 2)[0]
+    assert pair[1] not in mamba_table[len(mamba_table) - 2 :] or len(mamba_table) <= 2
+
+
+def test_d_mismatched_group_count_is_refused(model_dir):
+    prompt = list(range(100, 140))
+    params = p_params(model_dir, prompt, ("attention",))
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    _, out = admit(d, prompt, params)
+    assert connector_half(d).stats["refused_group_mismatch"] == 1
+    assert list(out.num_scheduled_tokens.values()) == [40]
