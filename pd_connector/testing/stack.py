@@ -52,6 +52,7 @@ class StackConfig:
     server_args: Sequence[str] = ()
     dtype: str = "float32"
     max_model_len: int = 1024
+    baseline_args: Sequence[str] = ()
     prefill_args: Sequence[str] = ()
     decode_args: Sequence[str] = ()
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -112,7 +113,7 @@ class PDStack:
         if config.with_baseline:
             self.baseline = VllmServer(
                 config.model,
-                extra_args=list(config.server_args),
+                extra_args=[*config.server_args, *config.baseline_args],
                 env={**env, **config.baseline_env},
                 omp_threads_bind="0" if cpu else "auto",
                 log_path=self.log_dir / "baseline.log",

@@ -1,0 +1,409 @@
+"""Pure tests of pd_connector.protocol: side-channel framing, versioning and compat diffs.
+
+No vLLM, NIXL, torch or sockets.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd_connector.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    EngineCompat,
+    Envelope,
+    GroupDesc,
+    Hello,
+    LayerRegion,
+    ProtocolError,
+    Reject,
+    Release,
+    Welcome,
+    compat_differences,
+    decode_handoff_params,
+    decode_message,
+    encode_message,
+)
+
+SETTINGS = settings(max_examples=300, deadline=None)
+
+# --- strategies -------------------------------------------------------------------------------
+
+names = st.text(max_size=12)
+i64 = st.integers(-(2**63), 2**63 - 1)
+u64ish = st.integers(0, 2**63 - 1)
+
+group_descs = st.builds(
+    GroupDesc,
+    kind=st.sampled_from(["attention", "sliding_window", "mamba"]),
+    block_size=st.integers(1, 4096),
+    page_bytes=u64ish,
+    layer_names=st.lists(names, max_size=4),
+)
+compats = st.builds(
+    EngineCompat,
+    model=names,
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    kv_cache_dtype=st.sampled_from(["auto", "fp8", "fp8_e5m2"]),
+    groups=st.lists(group_descs, max_size=3),
+    conv_state_layout=st.sampled_from(["DS", "SD"]),
+    tensor_parallel_size=st.integers(1, 8),
+    device=st.sampled_from(["cpu", "cuda", "xpu"]),
+)
+regions = st.builds(
+    LayerRegion,
+    name=names,
+    group=st.integers(0, 8),
+    addr=u64ish,
+    block_stride=u64ish,
+    page_bytes=u64ish,
+    num_blocks=st.integers(0, 2**31),
+)
+messages = st.one_of(
+    st.builds(Hello, engine_id=names, compat=compats, auth=st.binary(max_size=32)),
+    st.builds(
+        Welcome,
+        engine_id=names,
+        agent_name=names,
+        agent_metadata=st.binary(max_size=64),
+        regions=st.lists(regions, max_size=4),
+        compat=compats,
+    ),
+    st.builds(Release, request_ids=st.lists(names, max_size=5), auth=st.binary(max_size=16)),
+    st.just(Ack()),
+    st.builds(Reject, reason=st.text(max_size=40)),
+)
+
+
+def frame(version: int, body: bytes) -> bytes:
+    return msgspec.msgpack.encode(Envelope(version, body))
+
+
+def expect_protocol_error(data: bytes, kind: str | None = None) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode_message(data)
+    if kind is not None:
+        assert info.value.kind == kind, info.value
+    return info.value
+
+
+# --- round trip -------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(messages)
+def test_every_message_round_trips(message):
+    data = encode_message(message)
+    assert isinstance(data, bytes)
+    decoded = decode_message(data)
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Ack(),
+        Reject(reason=""),
+        Release(request_ids=[]),
+        Release(request_ids=["a", "b"], auth=b"\x00" * 32),
+        Hello(engine_id="", compat=EngineCompat("m", "bf16", "auto", [], "DS", 1, "cpu")),
+    ],
+)
+def test_edge_messages_round_trip(message):
+    assert decode_message(encode_message(message)) == message
+
+
+def test_frame_carries_protocol_version_first():
+    envelope = msgspec.msgpack.decode(encode_message(Ack()), type=Envelope)
+    assert envelope.protocol_version == PROTOCOL_VERSION
+
+
+# --- version mismatch -------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(st.integers(-(2**63), 2**64 - 1).filter(lambda v: v != PROTOCOL_VERSION), messages)
+def test_wrong_version_is_version_mismatch_naming_both(version, message):
+    body = msgspec.msgpack.encode(message)
+    err = expect_protocol_error(frame(version, body), "version_mismatch")
+    numbers = re.findall(r"-?\d+", str(err))
+    assert str(version) in numbers
+    assert str(PROTOCOL_VERSION) in numbers
+
+
+def test_wrong_version_is_reported_even_when_body_is_unreadable():
+    """The envelope is checked before the body: a peer with another schema gets a version
+    error, not a decode error."""
+    err = expect_protocol_error(frame(PROTOCOL_VERSION + 1, b"\xc1 not msgpack"), "version_mismatch")
+    assert str(PROTOCOL_VERSION + 1) in str(err) and str(PROTOCOL_VERSION) in str(err)
+
+
+def test_bool_version_in_envelope_is_rejected():
+    data = msgspec.msgpack.encode([True, msgspec.msgpack.encode(Ack())])
+    assert isinstance(expect_protocol_error(data), ProtocolError)
+
+
+# --- malformed input never escapes as another exception ----------------------------------------
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_bytes_give_protocol_error_or_a_message(data):
+    try:
+        decode_message(data)
+    except ProtocolError as exc:
+        assert exc.kind in {"malformed", "version_mismatch", "oversized"}
+
+
+msgpack_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=8),
+        st.binary(max_size=8),
+    ),
+    lambda c: st.one_of(
+        st.lists(c, max_size=4), st.dictionaries(st.text(max_size=6), c, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@SETTINGS
+@given(msgpack_values)
+def test_arbitrary_msgpack_frames_give_protocol_error(value):
+    """Well-formed msgpack of the wrong shape, as the frame or as the body of a v1 frame."""
+    for data in (msgspec.msgpack.encode(value), frame(PROTOCOL_VERSION, msgspec.msgpack.encode(value))):
+        try:
+            decode_message(data)
+        except ProtocolError:
+            pass
+
+
+@SETTINGS
+@given(msgpack_values, st.sampled_from(["hello", "welcome", "release", "ack", "reject", "nope"]))
+def test_tagged_bodies_with_junk_fields_give_protocol_error(fields, tag):
+    body = {"type": tag}
+    if isinstance(fields, dict):
+        body.update(fields)
+        body["type"] = tag
+    try:
+        decode_message(frame(PROTOCOL_VERSION, msgspec.msgpack.encode(body)))
+    except ProtocolError as exc:
+        assert exc.kind == "malformed"
+
+
+@SETTINGS
+@given(messages, st.data())
+def test_truncated_frames_give_protocol_error(message, data):
+    full = encode_message(message)
+    cut = data.draw(st.integers(0, len(full) - 1), label="cut")
+    expect_protocol_error(full[:cut], "malformed")
+
+
+def test_every_truncation_of_a_welcome_gives_protocol_error():
+    compat = EngineCompat("m", "bf16", "auto", [GroupDesc("mamba", 16, 4096, ["l0"])], "DS", 1, "cpu")
+    full = encode_message(
+        Welcome("e", "agent", b"\x01" * 40, [LayerRegion("l0", 0, 2**40, 4096, 4096, 100)], compat)
+    )
+    for cut in range(len(full)):
+        expect_protocol_error(full[:cut], "malformed")
+
+
+@SETTINGS
+@given(messages, st.data())
+def test_corrupted_frames_give_protocol_error_or_a_message(message, data):
+    buf = bytearray(encode_message(message))
+    for _ in range(data.draw(st.integers(1, 4), label="flips")):
+        i = data.draw(st.integers(0, len(buf) - 1), label="at")
+        buf[i] = data.draw(st.integers(0, 255), label="byte")
+    try:
+        decode_message(bytes(buf))
+    except ProtocolError:
+        pass
+
+
+def test_trailing_bytes_after_frame_give_protocol_error():
+    expect_protocol_error(encode_message(Ack()) + b"\x00", "malformed")
+
+
+def test_oversized_frame_is_refused_before_decoding():
+    err = expect_protocol_error(b"\x00" * (MAX_MESSAGE_BYTES + 1), "oversized")
+    assert str(MAX_MESSAGE_BYTES) in str(err)
+    # A *valid* frame just over the limit is refused too: the size check comes first.
+    big = encode_message(Reject(reason="x" * MAX_MESSAGE_BYTES))
+    assert len(big) > MAX_MESSAGE_BYTES
+    expect_protocol_error(big, "oversized")
+
+
+def test_frame_at_exactly_the_limit_is_decoded():
+    overhead = len(encode_message(Reject(reason="")))
+    # Header sizes grow with the payload; search the reason length that lands on the limit.
+    n = MAX_MESSAGE_BYTES - overhead - 16
+    while len(encode_message(Reject(reason="y" * n))) < MAX_MESSAGE_BYTES:
+        n += 1
+    data = encode_message(Reject(reason="y" * n))
+    assert len(data) == MAX_MESSAGE_BYTES
+    assert decode_message(data) == Reject(reason="y" * n)
+
+
+def test_huge_length_prefix_is_truncation_not_allocation():
+    # Array / bin headers claiming 4 GiB on a few bytes of input.
+    expect_protocol_error(b"\xdd\xff\xff\xff\xff", "malformed")
+    expect_protocol_error(b"\x92\x01\xc6\xff\xff\xff\xf0", "malformed")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="protocol.decode_message: msgspec raises RecursionError (not DecodeError) while "
+    "skipping a deeply nested unknown field or trailing envelope element; it escapes as "
+    "RecursionError instead of ProtocolError",
+)
+@pytest.mark.parametrize("where", ["unknown_body_field", "extra_envelope_element"])
+def test_decode_message_deeply_nested_frame_raises_protocol_error(where):
+    nested = b"\x91" * 2000 + b"\xc0"  # [[[...[nil]...]]], 2 KB
+    if where == "unknown_body_field":
+        data = frame(PROTOCOL_VERSION, b"\x82\xa4type\xa3ack\xa1x" + nested)
+    else:
+        data = b"\x93\x01\xc4\x00" + nested  # [1, b"", <nested>]
+    expect_protocol_error(data, "malformed")
+
+
+def test_version_check_happens_before_body_decode():
+    """A body written by a newer schema (unknown tag) under our version is malformed; under
+    another version it is a version mismatch."""
+    body = msgspec.msgpack.encode({"type": "hello2", "x": 1})
+    expect_protocol_error(frame(PROTOCOL_VERSION, body), "malformed")
+    expect_protocol_error(frame(PROTOCOL_VERSION + 1, body), "version_mismatch")
+
+
+# --- compat_differences -----------------------------------------------------------------------
+
+
+TOP_FIELDS = [f for f in EngineCompat.__struct_fields__ if f != "groups"]
+
+
+@SETTINGS
+@given(compats)
+def test_identical_compat_has_no_differences(compat):
+    assert compat_differences(compat, compat) == []
+    copy = msgspec.msgpack.decode(msgspec.msgpack.encode(compat), type=EngineCompat)
+    assert compat_differences(compat, copy) == []
+
+
+@SETTINGS
+@given(compats, compats)
+def test_compat_differences_names_each_differing_field(mine, theirs):
+    diffs = compat_differences(mine, theirs)
+    assert (diffs == []) == (mine == theirs)
+    expected = 0
+    for field in TOP_FIELDS:
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a != b:
+            expected += 1
+            assert any(d.startswith(f"{field}:") and repr(a) in d and repr(b) in d for d in diffs), (
+                field,
+                diffs,
+            )
+    if len(mine.groups) != len(theirs.groups):
+        expected += 1
+        assert any(
+            "groups" in d and str(len(mine.groups)) in d and str(len(theirs.groups)) in d
+            for d in diffs
+        )
+    else:
+        for i, (ga, gb) in enumerate(zip(mine.groups, theirs.groups)):
+            for sub in GroupDesc.__struct_fields__:
+                va, vb = getattr(ga, sub), getattr(gb, sub)
+                if va != vb:
+                    expected += 1
+                    assert any(
+                        d.startswith(f"group {i} {sub}:") and repr(va) in d and repr(vb) in d
+                        for d in diffs
+                    ), (i, sub, diffs)
+    assert len(diffs) == expected
+
+
+def test_compat_differences_example_local_then_remote():
+    a = EngineCompat("m", "bfloat16", "auto", [GroupDesc("attention", 16, 4096, ["l0"])], "DS", 1, "cpu")
+    b = EngineCompat("m", "float16", "auto", [GroupDesc("attention", 32, 4096, ["l0"])], "DS", 2, "cpu")
+    assert compat_differences(a, b) == [
+        "dtype: local 'bfloat16', remote 'float16'",
+        "group 0 block_size: local 16, remote 32",
+        "tensor_parallel_size: local 1, remote 2",
+    ]
+
+
+# --- HandoffParams decoding (kv_transfer_params) ----------------------------------------------
+
+
+def _params(**overrides):
+    raw = {
+        "pd_protocol_version": PROTOCOL_VERSION,
+        "replay_offset": 8,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 5660,
+        "remote_block_ids": [[1, 2]],
+    }
+    raw.update(overrides)
+    return raw
+
+
+def test_decode_handoff_params_ignores_unknown_keys_and_defaults():
+    p = decode_handoff_params(_params(tp_size=1, whatever={"x": [1]}))
+    assert p.do_remote_prefill is True and p.remote_num_tokens is None
+    assert p.remote_block_ids == [[1, 2]]
+
+
+@pytest.mark.parametrize(
+    "overrides, kind",
+    [
+        ({"replay_offset": -1}, "offset_out_of_range"),
+        ({"remote_port": 0}, "malformed"),
+        ({"remote_port": 70000}, "malformed"),
+        ({"remote_host": ""}, "malformed"),
+        ({"remote_block_ids": [[0]]}, "malformed"),
+        ({"remote_block_ids": [[3], [2, -1]]}, "malformed"),
+        ({"pd_protocol_version": 2}, "version_mismatch"),
+        ({"pd_protocol_version": True}, "version_mismatch"),
+        ({"replay_offset": "8"}, "malformed"),
+        ({"do_remote_prefill": 1}, "malformed"),
+    ],
+)
+def test_decode_handoff_params_errors(overrides, kind):
+    with pytest.raises(ProtocolError) as info:
+        decode_handoff_params(_params(**overrides))
+    assert info.value.kind == kind
+
+
+def test_protocol_error_is_a_value_error_with_kind():
+    err = ProtocolError("malformed", "x")
+    assert isinstance(err, ValueError) and err.kind == "malformed" and str(err) == "x"
+
+
+# --- import hygiene of the pure core ----------------------------------------------------------
+
+
+def test_pure_core_imports_no_vllm_torch_nixl_or_sockets():
+    code = (
+        "import sys\n"
+        "import pd_connector.handoff, pd_connector.protocol, pd_connector.pairing\n"
+        "import pd_connector.layout, pd_connector.leases, pd_connector.config\n"
+        "bad = [m for m in ('vllm', 'torch', 'nixl', 'zmq', 'socket', 'aiohttp') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
