@@ -28,6 +28,24 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_num_threads: int = 0
+    # Shared secret authenticating side-channel peers (HMAC-SHA256 over every message), read from
+    # this file or from the PD_CONNECTOR_SHARED_SECRET environment variable; never from the
+    # config itself, because vLLM logs kv_connector_extra_config verbatim at start-up.
+    # Unset: no authentication (bind the side channel to a private address then).
+    shared_secret_file: str = ""
+    # P sends a SHA-256 of the recurrent-state pages with each claim grant; D recomputes it
+    # after the READ and recomputes the prompt on a mismatch. Costs a read of the state pages.
+    verify_state_digest: bool = False
+    # How long P's side channel waits for a lease that is still on its way from the scheduler
+    # (the claim can overtake it by an engine step).
+    claim_wait_seconds: float = 5.0
+
+    # Filled by parse_settings from the file or the environment; excluded from repr.
+    secret: bytes = msgspec.field(default=b"", name="_secret")
+
+    def __repr__(self) -> str:
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "secret"}
+        return "ConnectorSettings(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:
@@ -43,19 +61,43 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 ENV_PREFIX = "PD_CONNECTOR_"
 
 
+SECRET_ENV = ENV_PREFIX + "SHARED_SECRET"
+
+
 def parse_settings(extra_config: dict[str, Any] | None, environ=os.environ) -> ConnectorSettings:
     """Settings from ``kv_connector_extra_config``, then ``PD_CONNECTOR_<KEY>`` environment
     variables for keys the config leaves out, then defaults."""
     raw = dict(extra_config or {})
+    if "shared_secret" in raw or "_secret" in raw:
+        raise ValueError(
+            "pd_connector: do not put the shared secret in kv_connector_extra_config (vLLM logs "
+            f"it at start-up); set {SECRET_ENV} or shared_secret_file instead"
+        )
     for field in ConnectorSettings.__struct_fields__:
+        if field == "secret":
+            continue
         env = environ.get(ENV_PREFIX + field.upper())
         if field not in raw and env is not None:
             raw[field] = env.split(",") if field == "nixl_backends" else env
+    raw["_secret"] = _read_secret(raw.get("shared_secret_file", ""), environ)
     try:
         # strict=False: environment values are strings ("5660" -> 5660).
         return msgspec.convert(raw, ConnectorSettings, strict=False)
-    except msgspec.ValidationError as exc:
-        known = ", ".join(ConnectorSettings.__struct_fields__)
+    except (msgspec.ValidationError, ValueError) as exc:
+        known = ", ".join(f for f in ConnectorSettings.__struct_fields__ if f != "secret")
         raise ValueError(
             f"pd_connector: invalid kv_connector_extra_config: {exc}. Known keys: {known}"
         ) from None
+
+
+def _read_secret(path: str, environ) -> bytes:
+    if path:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"pd_connector: cannot read shared_secret_file {path!r}: {exc.strerror}") from None
+        if not secret:
+            raise ValueError(f"pd_connector: shared_secret_file {path!r} is empty")
+        return secret
+    return environ.get(SECRET_ENV, "").encode()

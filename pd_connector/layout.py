@@ -75,7 +75,10 @@ def descriptor_indices(
         regions = regions_of_group.get(group)
         if regions is None:
             raise LayoutError(f"group {group} has blocks to move but no registered layers")
-        pr = np.array(group_pairs, dtype=np.int64).reshape(-1, 2)
+        try:
+            pr = np.array(group_pairs, dtype=np.int64).reshape(-1, 2)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise LayoutError(f"group {group}: unusable block pairs ({exc})") from None
         src, dst = pr[:, 0], pr[:, 1]
         if (src < 0).any() or (src[None, :] >= remote_blocks[regions][:, None]).any():
             raise LayoutError(f"group {group}: remote block id out of range in {src.tolist()}")

@@ -12,6 +12,7 @@ class SendLease:
     """P: blocks of a finished request held for D until ``deadline`` (time.monotonic)."""
 
     deadline: float
+    offset: int
     block_ids: list[list[int]]
 
 
@@ -26,6 +27,9 @@ class RecvTask:
     remote_request_id: str
     pairs: list[list[tuple[int, int]]] | None
     num_tokens: int
+    # What D claims from P before reading (P's offset and the block ids P sent).
+    replay_offset: int = 0
+    remote_block_ids: list[list[int]] | None = None
 
 
 @dataclass

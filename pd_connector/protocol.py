@@ -7,6 +7,9 @@ these types *or their meaning* (e.g. what ``replay_offset`` counts).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -17,6 +20,8 @@ KEY_REPLAY_OFFSET = "replay_offset"
 KEY_VERSION = "pd_protocol_version"
 # Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
 KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
+
+MAX_BLOCK_ID = 2**31 - 1
 
 # Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -90,11 +95,11 @@ def _check_ranges(params: HandoffParams) -> None:
             "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
         )
     for group, ids in enumerate(params.remote_block_ids):
-        if any(b <= 0 for b in ids):
-            # Block 0 is vLLM's null block; negative ids are never valid.
+        if any(not 0 < b < MAX_BLOCK_ID for b in ids):
+            # Block 0 is vLLM's null block; NIXL descriptor indices are int32.
             raise ProtocolError(
                 "malformed",
-                f"remote_block_ids[{group}] holds a null or negative block id: {ids}",
+                f"remote_block_ids[{group}] holds a null, negative or out-of-range block id: {ids}",
             )
 
 
@@ -161,7 +166,6 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
     engine_id: str
     compat: EngineCompat
-    auth: bytes = b""
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -179,7 +183,26 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     covered them); P may free them now instead of at lease expiry."""
 
     request_ids: list[str]
-    auth: bytes = b""
+
+
+class Claim(msgspec.Struct, tag="claim", frozen=True):
+    """D -> P, before every READ: "I am about to read these blocks of your request at this
+    offset". P grants it only if that is exactly what it leased for the request, and extends
+    the lease; so parameters rewritten in transit, or a lease that already expired (its blocks
+    possibly reused), are refused before a single byte is read."""
+
+    engine_id: str
+    request_id: str
+    replay_offset: int
+    block_ids: list[list[int]]
+
+
+class Granted(msgspec.Struct, tag="granted", frozen=True):
+    """P -> D: the claim matches a live lease, now valid for ``lease_seconds`` more.
+    ``state_digest`` (optional): SHA-256 of the recurrent-state pages, for D to verify."""
+
+    lease_seconds: float
+    state_digest: bytes = b""
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -192,15 +215,17 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     reason: str
 
 
-Message = Hello | Welcome | Release | Ack | Reject
+Message = Hello | Welcome | Release | Claim | Granted | Ack | Reject
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     """Stable outer frame: the version is checked before the body is decoded, so a peer with a
-    different schema fails with "protocol version X vs Y", not a decode error."""
+    different schema fails with "protocol version X vs Y", not a decode error. ``mac`` is
+    HMAC-SHA256(shared secret, body) when a secret is configured."""
 
     protocol_version: int
     body: bytes
+    mac: bytes = b""
 
 
 _envelope_encoder = msgspec.msgpack.Encoder()
@@ -208,14 +233,19 @@ _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _message_decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode_message(message: Message) -> bytes:
-    return _envelope_encoder.encode(
-        Envelope(PROTOCOL_VERSION, _envelope_encoder.encode(message))
-    )
+def _mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
 
 
-def decode_message(data: bytes) -> Message:
-    """Decode a side-channel frame or raise ``ProtocolError`` saying what was wrong."""
+def encode_message(message: Message, secret: bytes = b"") -> bytes:
+    body = _envelope_encoder.encode(message)
+    mac = _mac(secret, body) if secret else b""
+    return _envelope_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac))
+
+
+def decode_message(data: bytes, secret: bytes = b"") -> Message:
+    """Decode a side-channel frame or raise ``ProtocolError`` saying what was wrong. With a
+    ``secret``, frames without a valid MAC are refused before their body is decoded."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             "oversized", f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} limit"
@@ -229,6 +259,11 @@ def decode_message(data: bytes) -> Message:
             "version_mismatch",
             f"peer speaks pd_connector protocol {envelope.protocol_version}, "
             f"this instance {PROTOCOL_VERSION}",
+        )
+    if secret and not hmac.compare_digest(envelope.mac, _mac(secret, envelope.body)):
+        raise ProtocolError(
+            "unauthenticated",
+            "side-channel message without a valid MAC: the peer's shared_secret differs or is unset",
         )
     try:
         return _message_decoder.decode(envelope.body)

@@ -16,6 +16,7 @@ pairing maps P's blocks onto D's and the worker reads them.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,11 @@ logger = logging.getLogger("vllm.pd_connector")
 # same dict object for the request's lifetime, vllm/v1/request.py).
 _P_OFFSET = "_pd_replay_offset"
 
-# What a router sends P. The proxy's fields, mirrored by vLLM's toy proxy.
+# Test-only fault injection (PD_CONNECTOR_FAULT_INJECTION=1 on D): a request whose params carry
+# this key resumes that many tokens away from P's offset while still claiming P's real lease,
+# i.e. the silent desync of vLLM's implicit rule. The e2e negative controls use it to prove the
+# output oracle would catch a one-token desync; never enable it in production.
+FAULT_RESUME_SHIFT = "_pd_fault_resume_shift"
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
@@ -47,6 +52,7 @@ class SchedulerHalf:
         self.group_ids = tuple(kv_cache_config.transfer_group_ids)
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.stats: Counter[str] = Counter()
+        self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
         # Per-step outboxes, drained by build_connector_meta.
@@ -148,6 +154,7 @@ class SchedulerHalf:
             return False, out
         self._to_send[request.request_id] = SendLease(
             deadline=time.monotonic() + self.settings.lease_seconds,
+            offset=offset,
             block_ids=source,
         )
         self.stats["handoffs_offered"] += 1
@@ -192,6 +199,10 @@ class SchedulerHalf:
         if decision.offset == 0:
             self.stats["handoffs_empty"] += 1
             return
+        shift = params.get(FAULT_RESUME_SHIFT) if self._fault_injection else None
+        if isinstance(shift, int) and 0 < decision.offset + shift < request.num_prompt_tokens:
+            logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
+            decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         if len(decision.params.remote_block_ids) != len(self.layouts):
             self.stats["refused_group_mismatch"] += 1
             logger.warning(
@@ -240,6 +251,8 @@ class SchedulerHalf:
             remote_request_id=params.remote_request_id,
             pairs=pairs,
             num_tokens=num_external_tokens,
+            replay_offset=params.replay_offset,
+            remote_block_ids=params.remote_block_ids,
         )
         self.stats["handoffs_accepted"] += 1
         logger.info(

@@ -31,6 +31,9 @@ class SideChannelError(RuntimeError):
     pass
 
 
+_SOCKET_LIMIT = MAX_MESSAGE_BYTES + (1 << 20)
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -38,11 +41,14 @@ def _endpoint(host: str, port: int) -> str:
 class SideChannelServer:
     """Serves ``handler(message) -> reply`` on ``host:port`` in a daemon thread."""
 
-    def __init__(self, host: str, port: int, handler: Handler):
+    def __init__(self, host: str, port: int, handler: Handler, secret: bytes = b""):
         self._handler = handler
+        self._secret = secret
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # libzmq drops a peer whose frame exceeds MAXMSGSIZE without a word; leave headroom so
+        # our decoder sees the frame and answers "oversized" instead (still bounded memory).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _SOCKET_LIMIT)
         self._sock.setsockopt(zmq.LINGER, 0)
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
@@ -57,7 +63,8 @@ class SideChannelServer:
                 "side_channel_port to a free port per prefill instance"
             ) from None
         self.address = (host, port)
-        self.rejected = 0
+        # Refused messages by ProtocolError kind (malformed, oversized, unauthenticated, ...).
+        self.rejected: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
         self._thread.start()
@@ -76,16 +83,21 @@ class SideChannelServer:
                 continue  # not a REQ envelope (identity, empty delimiter, body)
             identity, body = frames[0], frames[-1]
             try:
-                reply = self._handler(decode_message(body))
+                reply = self._handler(decode_message(body, self._secret))
             except ProtocolError as exc:
-                self.rejected += 1
+                self.rejected[exc.kind] = self.rejected.get(exc.kind, 0) + 1
                 logger.warning("pd_connector: side channel refused a message: %s", exc)
                 reply = Reject(reason=str(exc))
             except Exception as exc:  # a handler bug must not kill the listener
                 logger.exception("pd_connector: side-channel handler failed")
                 reply = Reject(reason=f"internal error: {exc}")
             try:
-                self._sock.send_multipart([identity, b"", encode_message(reply)])
+                frame = encode_message(reply, self._secret)
+            except Exception as exc:  # an unencodable reply must not kill the listener either
+                logger.exception("pd_connector: cannot encode a side-channel reply")
+                frame = encode_message(Reject(reason=f"internal error: {exc}"), self._secret)
+            try:
+                self._sock.send_multipart([identity, b"", frame])
             except zmq.ZMQError as exc:
                 logger.warning("pd_connector: side-channel reply failed: %s", exc)
 
@@ -96,21 +108,21 @@ class SideChannelServer:
         self._ctx.term()
 
 
-def call(host: str, port: int, message: Message, timeout_s: float) -> Message:
+def call(host: str, port: int, message: Message, timeout_s: float, secret: bytes = b"") -> Message:
     """One request/response round trip; raises SideChannelError on timeout or bad reply."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, _SOCKET_LIMIT)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     try:
         sock.connect(_endpoint(host, port))
-        sock.send(encode_message(message))
+        sock.send(encode_message(message, secret))
         if not sock.poll(int(timeout_s * 1000)):
             raise SideChannelError(f"no answer from {host}:{port} within {timeout_s:.1f} s")
         try:
-            return decode_message(sock.recv())
+            return decode_message(sock.recv(), secret)
         except ProtocolError as exc:
             raise SideChannelError(f"bad reply from {host}:{port}: {exc}") from None
     finally:

@@ -1,31 +1,34 @@
 """Worker-side half of PDConnector (runs in each vLLM worker process).
 
-P: registers the KV cache with NIXL, serves handshakes on the side channel, holds leases and
-reports ``finished_sending`` when D is done (or the lease ends).
-D: handshakes once per P engine (background thread, cached), then one prepared READ per request;
-reports ``finished_recving`` and, on any failure, ``failed_recving`` too, per request for all
-groups (vLLM raises on block-level errors for multi-group models, Scheduler._handle_invalid_blocks).
+P: registers the KV cache with NIXL, serves handshakes and claims on the side channel, holds
+leases and reports ``finished_sending`` when D is done (or the lease ends).
+D: the ``Receiver`` pipeline (handshake, claim, READ); failures are reported per request as
+``failed_recving`` *and* ``finished_recving``, for all groups at once (vLLM raises on
+block-level errors for multi-group models, Scheduler._handle_invalid_blocks).
 
-Every NIXL call happens on the engine's thread; the background thread only speaks ZMQ.
+The side-channel thread shares only the lease table (under a lock) with the engine thread;
+every NIXL call happens on the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
-from pd_connector.leases import LeaseTable
-from pd_connector.metadata import PDMetadata, RecvTask
+from pd_connector.digest import PageDigester
+from pd_connector.leases import GRANTED, UNKNOWN, LeaseTable
+from pd_connector.metadata import PDMetadata
+from pd_connector.pairing import MAMBA
 from pd_connector.protocol import (
     Ack,
+    Claim,
+    Granted,
     Hello,
     Message,
     Reject,
@@ -33,18 +36,11 @@ from pd_connector.protocol import (
     Welcome,
     compat_differences,
 )
-from pd_connector.transport import DONE, FAILED, NixlTransport
+from pd_connector.receiver import Receiver
+from pd_connector.transport import NixlTransport
 from pd_connector.vllm_compat import engine_compat, regions_from_kv_caches
 
 logger = logging.getLogger("vllm.pd_connector")
-
-
-@dataclass
-class _Read:
-    handle: Any
-    task: RecvTask
-    started: float
-    descriptors: int
 
 
 class WorkerHalf:
@@ -56,22 +52,16 @@ class WorkerHalf:
         self.kv_cache_config = kv_cache_config
         self.group_ids = tuple(kv_cache_config.transfer_group_ids)
         self.compat = engine_compat(vllm_config, kv_cache_config, self.group_ids)
+        self.mamba_groups = [i for i, g in enumerate(self.compat.groups) if g.kind == MAMBA]
         self.mem_type = "DRAM" if kv_transfer.kv_buffer_device == "cpu" else "VRAM"
         self.transport: NixlTransport | None = None
         self.server: side_channel.SideChannelServer | None = None
+        self.receiver: Receiver | None = None
         self._welcome: Welcome | None = None
-        # P side
-        self.leases = LeaseTable()
-        self._released: queue.Queue[str] = queue.Queue()
-        # D side
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-handshake")
-        self._handshakes: dict[str, Future] = {}
-        self._peer_errors: dict[str, str] = {}
-        self._waiting: dict[str, RecvTask] = {}
-        self._reads: dict[str, _Read] = {}
-        self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self.stats: dict[str, float] = {}
+        self._digester: PageDigester | None = None
+        # P side: the lease table is shared with the side-channel thread.
+        self._leases = LeaseTable()
+        self._lease_changed = threading.Condition()
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -83,6 +73,8 @@ class WorkerHalf:
             num_threads=self.settings.nixl_num_threads,
         )
         self.transport.register(allocations, regions)
+        if self.settings.verify_state_digest and self.mamba_groups:
+            self._digester = PageDigester(kv_caches, regions)
         self._welcome = Welcome(
             engine_id=self.engine_id,
             agent_name=self.transport.name,
@@ -96,18 +88,25 @@ class WorkerHalf:
             len(allocations),
             self.mem_type,
         )
+        digest = (lambda blocks: self._digester.digest(blocks, self.mamba_groups)) if self._digester else None
+        self.receiver = Receiver(self.transport, self.settings, self.engine_id, self.compat, digest)
         if self.is_producer:
             self.server = side_channel.SideChannelServer(
-                self.settings.side_channel_host, self.settings.side_channel_port, self._serve
-            )
-            logger.info(
-                "pd_connector: side channel listening on %s:%d",
                 self.settings.side_channel_host,
                 self.settings.side_channel_port,
+                self._serve,
+                self.settings.secret,
+            )
+            logger.info(
+                "pd_connector: side channel listening on %s:%d (%s)",
+                self.settings.side_channel_host,
+                self.settings.side_channel_port,
+                "authenticated" if self.settings.shared_secret else "unauthenticated",
             )
 
+    # -- P: side-channel thread ----------------------------------------------------------------
+
     def _serve(self, message: Message) -> Message:
-        """Side-channel thread: no NIXL calls here."""
         if isinstance(message, Hello):
             diffs = compat_differences(self.compat, message.compat)
             if diffs:
@@ -119,170 +118,88 @@ class WorkerHalf:
                 return Reject(reason=reason)
             assert self._welcome is not None
             return self._welcome
+        if isinstance(message, Claim):
+            return self._serve_claim(message)
         if isinstance(message, Release):
-            for request_id in message.request_ids:
-                self._released.put(request_id)
+            now = time.monotonic()
+            with self._lease_changed:
+                for request_id in message.request_ids:
+                    self._leases.complete(request_id, now)
             return Ack()
         return Reject(reason=f"unexpected message {type(message).__name__}")
 
-    # -- per step --------------------------------------------------------------------------
+    def _serve_claim(self, claim: Claim) -> Message:
+        # The grant travels with the next engine step's metadata; a claim can overtake it.
+        deadline = time.monotonic() + self.settings.claim_wait_seconds
+        with self._lease_changed:
+            while True:
+                now = time.monotonic()
+                outcome, why = self._leases.claim(
+                    claim.request_id,
+                    claim.replay_offset,
+                    claim.block_ids,
+                    now,
+                    now + self.settings.lease_seconds,
+                )
+                if outcome != UNKNOWN or now >= deadline:
+                    break
+                self._lease_changed.wait(deadline - now)
+        if outcome != GRANTED:
+            logger.warning("pd_connector: refused a claim from %s: %s", claim.engine_id, why)
+            return Reject(reason=why)
+        digest = b""
+        if self._digester is not None:
+            digest = self._digester.digest(claim.block_ids, self.mamba_groups)
+        return Granted(lease_seconds=self.settings.lease_seconds, state_digest=digest)
+
+    # -- per step (engine thread) --------------------------------------------------------------
 
     def start_load_kv(self, meta: PDMetadata) -> None:
-        for request_id, lease in meta.to_send.items():
-            self.leases.grant(request_id, lease.deadline)
+        if meta.to_send:
+            with self._lease_changed:
+                for request_id, lease in meta.to_send.items():
+                    self._leases.grant(request_id, lease.deadline, lease.offset, lease.block_ids)
+                self._lease_changed.notify_all()
+        assert self.receiver is not None or not (meta.to_recv or meta.to_release)
         for request_id, task in meta.to_recv.items():
-            if task.pairs is None:
-                self._fail(request_id, "blocks could not be paired")
-            else:
-                self._waiting[request_id] = task
-                self._ensure_handshake(task)
+            self.receiver.add(request_id, task)
         for release in meta.to_release:
-            self._executor.submit(self._send_release, release)
-        self._start_ready_reads()
+            self.receiver.release(release)
+        if self.receiver is not None:
+            self.receiver.advance()
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        self._start_ready_reads()
-        self._poll_reads()
-        now = time.monotonic()
-        while True:
-            try:
-                self.leases.complete(self._released.get_nowait(), now)
-            except queue.Empty:
-                break
-        if self.transport is not None and self.is_producer:
-            for note in self.transport.take_notifications():
-                self.leases.complete(note.decode(errors="replace"), now)
-        for request_id in self.leases.expire(now):
-            logger.warning(
-                "pd_connector: lease of %s expired after %.0f s without the decode instance "
-                "finishing its read; freeing its blocks",
-                request_id,
-                self.settings.lease_seconds,
-            )
-        results = KVConnectorTransferResults(
-            finished_sending=self.leases.take_finished(),
-            finished_recving=self._finished_recving | self._failed_recving,
-            failed_recving=self._failed_recving,
+        finished_recving: set[str] = set()
+        failed: set[str] = set()
+        if self.receiver is not None:
+            self.receiver.advance()
+            finished_recving, failed = self.receiver.take_results()
+        finished_sending: set[str] = set()
+        if self.is_producer and self.transport is not None:
+            notes = self.transport.take_notifications()
+            now = time.monotonic()
+            with self._lease_changed:
+                for note in notes:
+                    self._leases.complete(note.decode(errors="replace"), now)
+                for request_id in self._leases.expire(now):
+                    logger.warning(
+                        "pd_connector: lease of %s expired without the decode instance "
+                        "finishing its read; freeing its blocks",
+                        request_id,
+                    )
+                finished_sending = self._leases.take_finished()
+        return KVConnectorTransferResults(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving | failed,
+            failed_recving=failed,
         )
-        self._finished_recving, self._failed_recving = set(), set()
-        return results
-
-    # -- D: handshake and reads ------------------------------------------------------------
-
-    def _ensure_handshake(self, task: RecvTask) -> None:
-        key = task.remote_engine_id
-        if self.transport is not None and self.transport.has_peer(key):
-            return
-        if key not in self._handshakes:
-            self._handshakes[key] = self._executor.submit(self._handshake, task)
-
-    def _handshake(self, task: RecvTask) -> Welcome:
-        reply = side_channel.call(
-            task.remote_host,
-            task.remote_port,
-            Hello(engine_id=self.engine_id, compat=self.compat),
-            self.settings.handshake_timeout_seconds,
-        )
-        if isinstance(reply, Reject):
-            raise side_channel.SideChannelError(reply.reason)
-        if not isinstance(reply, Welcome):
-            raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
-        if reply.engine_id != task.remote_engine_id:
-            raise side_channel.SideChannelError(
-                f"{task.remote_host}:{task.remote_port} is engine {reply.engine_id}, "
-                f"not {task.remote_engine_id} named in kv_transfer_params"
-            )
-        diffs = compat_differences(self.compat, reply.compat)
-        if diffs:
-            raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
-        return reply
-
-    def _send_release(self, release) -> None:
-        try:
-            side_channel.call(
-                release.remote_host,
-                release.remote_port,
-                Release(request_ids=[release.remote_request_id]),
-                self.settings.handshake_timeout_seconds,
-            )
-        except side_channel.SideChannelError as exc:
-            # P frees the blocks at lease expiry anyway.
-            logger.info("pd_connector: release of %s not delivered: %s", release.remote_request_id, exc)
-
-    def _start_ready_reads(self) -> None:
-        if not self._waiting:
-            return
-        for key, future in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[key]
-            try:
-                welcome = future.result()
-                assert self.transport is not None
-                self.transport.add_peer(key, welcome.agent_metadata, welcome.regions)
-                self._peer_errors.pop(key, None)
-                logger.info("pd_connector: connected to prefill engine %s", key)
-            except Exception as exc:
-                self._peer_errors[key] = str(exc)
-                logger.warning("pd_connector: handshake with %s failed: %s", key, exc)
-        for request_id, task in list(self._waiting.items()):
-            key = task.remote_engine_id
-            if key in self._peer_errors:
-                del self._waiting[request_id]
-                self._fail(request_id, f"handshake failed: {self._peer_errors[key]}")
-            elif self.transport is not None and self.transport.has_peer(key):
-                del self._waiting[request_id]
-                self._start_read(request_id, task)
-        if self._peer_errors and not self._waiting:
-            # Let a later request retry a peer that failed (it may have restarted).
-            self._peer_errors.clear()
-
-    def _start_read(self, request_id: str, task: RecvTask) -> None:
-        assert self.transport is not None
-        try:
-            local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
-            handle = self.transport.read(
-                task.remote_engine_id, local_idx, remote_idx, task.remote_request_id.encode()
-            )
-        except Exception as exc:
-            self._fail(request_id, f"could not post the READ: {exc}")
-            return
-        self._reads[request_id] = _Read(handle, task, time.monotonic(), int(local_idx.size))
-
-    def _poll_reads(self) -> None:
-        assert self.transport is not None or not self._reads
-        for request_id, read in list(self._reads.items()):
-            state = self.transport.state(read.handle)
-            if state == DONE:
-                self.transport.release(read.handle)
-                del self._reads[request_id]
-                self._finished_recving.add(request_id)
-                logger.debug(
-                    "pd_connector: %s loaded %d descriptors in %.2f ms",
-                    request_id,
-                    read.descriptors,
-                    (time.monotonic() - read.started) * 1e3,
-                )
-            elif state == FAILED:
-                self.transport.release(read.handle)
-                del self._reads[request_id]
-                self._fail(request_id, "NIXL reported the READ failed")
-
-    def _fail(self, request_id: str, why: str) -> None:
-        logger.warning(
-            "pd_connector: loading KV for %s failed (%s); the prompt is recomputed locally "
-            "(load_failure_policy=%s)",
-            request_id,
-            why,
-            self.settings.load_failure_policy,
-        )
-        self._failed_recving.add(request_id)
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.receiver is not None:
+            self.receiver.close()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -34,3 +34,12 @@ def random_prompt(n: int, seed: int) -> list[int]:
     """Token ids 4..999: the tiny tokenizer's four special tokens are 0..3."""
     rng = random.Random(seed * 7919 + n)
     return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+# Connector settings exercised end to end per model (defaults elsewhere): the authenticated side
+# channel and the recurrent-state digest on one hybrid.
+E2E_EXTRA_CONFIG: dict[str, dict] = {
+    kind: {"handshake_timeout_seconds": 3, **({"verify_state_digest": True} if kind == "nemotron_h" else {})}
+    for kind in CPU_MODELS
+}
+E2E_SECRET: dict[str, str] = {"nemotron_h": "e2e-shared-secret"}

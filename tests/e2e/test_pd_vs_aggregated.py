@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
+from pd_connector.scheduler import FAULT_RESUME_SHIFT
 from pd_connector.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +58,9 @@ def test_concurrent_batch_through_proxy_matches_aggregated(stack):
 
 def test_desynced_offset_is_caught_by_the_oracle(stack):
     """Negative control: D resumes one token early on a state P computed for R (a phantom
-    token, what vLLM does when P and D derive different backoffs). Params stay self-consistent
-    so D accepts them; the comparison must fail."""
+    token, what vLLM does when P and D derive different backoffs). Editing the params cannot do
+    this any more (P refuses the claim), so D's test-only fault injection forces it; the
+    comparison must fail."""
     if stack.kind not in HYBRIDS:
         pytest.skip("attention-only models recompute a token's KV identically: no desync")
     caught = 0
@@ -66,9 +68,7 @@ def test_desynced_offset_is_caught_by_the_oracle(stack):
     for n in lengths:
         prompt = random_prompt(n, seed=3)
         ref = stack.reference(prompt, MAX_TOKENS)
-        params = stack.prefill_only(prompt)
-        params["replay_offset"] -= 1
-        params["remote_num_tokens"] -= 1
+        params = {**stack.prefill_only(prompt), FAULT_RESUME_SHIFT: -1}
         caught += not check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} desyncs detected"
 
@@ -85,22 +85,93 @@ def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} swaps detected"
 
 
-@pytest.mark.parametrize(
-    "tamper, kind",
-    [
-        (lambda p, n: {**p, "replay_offset": n, "remote_num_tokens": n}, "offset_out_of_range"),
-        (lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1}, "inconsistent_params"),
-        (lambda p, n: {**p, "pd_protocol_version": 99}, "version_mismatch"),
-        (lambda p, n: {k: v for k, v in p.items() if k != "replay_offset"}, "missing_offset"),
-        (lambda p, n: {**p, "replay_offset": "7"}, "malformed"),
-    ],
-    ids=["offset_at_n", "offset_edited", "version", "nixl_style_no_offset", "string_offset"],
-)
-def test_tampered_params_are_refused_and_output_still_matches(stack, tamper, kind):
+def _dead_port():
+    from pd_connector.testing.servers import free_port
+
+    return free_port()
+
+
+# (edit of P's params, the line D logs when it refuses or fails the handoff)
+TAMPERED = {
+    "offset_at_prompt_length": (lambda p, n: {**p, "replay_offset": n, "remote_num_tokens": n}, "refusing the handoff (offset_out_of_range)"),
+    "offset_edited_alone": (lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1}, "refusing the handoff (inconsistent_params)"),
+    "offset_edited_consistently": (
+        lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1, "remote_num_tokens": p["replay_offset"] - 1},
+        "P refused the claim",
+    ),
+    "block_ids_swapped": (
+        lambda p, n: {**p, "remote_block_ids": [ids[::-1] for ids in p["remote_block_ids"]]},
+        "P refused the claim",
+    ),
+    "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
+    "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
+    # Connected already (earlier requests), so the claim is what times out.
+    "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "no answer from 127.0.0.1"),
+    "other_protocol_version": (lambda p, n: {**p, "pd_protocol_version": 99}, "refusing the handoff (version_mismatch)"),
+    "nixl_style_no_offset": (lambda p, n: {k: v for k, v in p.items() if k != "replay_offset"}, "refusing the handoff (missing_offset)"),
+    "string_offset": (lambda p, n: {**p, "replay_offset": "7"}, "refusing the handoff (malformed)"),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERED))
+def test_tampered_params_are_refused_and_output_still_matches(stack, tamper):
+    """Each edit is refused (by D's validation, P's claim check or the handshake) and the
+    request is recomputed locally: aggregated output, never an error, never wrong text."""
+    edit, logged = TAMPERED[tamper]
     n = 70
     prompt = random_prompt(n, seed=6)
     ref = stack.reference(prompt, MAX_TOKENS)
-    before = stack.decode.log_text().count(f"refusing the handoff ({kind})")
-    got = stack.decode_with(prompt, tamper(stack.prefill_only(prompt), n), MAX_TOKENS)
+    before = stack.decode.log_text().count(logged)
+    got = stack.decode_with(prompt, edit(stack.prefill_only(prompt), n), MAX_TOKENS)
     assert check(ref, got).ok, "a refused handoff must still give aggregated output"
-    assert stack.decode.log_text().count(f"refusing the handoff ({kind})") == before + 1
+    assert stack.decode.log_text().count(logged) == before + 1
+
+def _post(url, body, stream=False):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        raw = resp.read().decode()
+    if not stream:
+        return json.loads(raw)
+    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", raw[-500:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_and_streaming_through_the_proxy_match_aggregated(stack):
+    if stack.kind != "llama":
+        pytest.skip("the proxy's routes are model-independent: checked once")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 6}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    ref = _post(stack.baseline.base_url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    got = _post(stack.proxy_url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert got == ref
+    chunks = _post(stack.proxy_url + "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ref
+    prompt = random_prompt(90, seed=7)
+    completion = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    ref_text = _post(stack.baseline.base_url + "/v1/completions", completion)["choices"][0]["text"]
+    chunks = _post(stack.proxy_url + "/v1/completions", {**completion, "stream": True}, stream=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref_text
+
+
+def test_no_blocks_leak_after_handoffs(stack):
+    """Runs after the tests above for each model: every lease was ended by D's notification or
+    release (refusals included), so both instances are back to an empty KV cache."""
+    import time
+
+    deadline = time.monotonic() + 60
+    usage = {}
+    while time.monotonic() < deadline:
+        usage = {s: s.metric("vllm:kv_cache_usage_perc") for s in (stack.prefill, stack.decode)}
+        if all(v == 0 for v in usage.values()):
+            return
+        time.sleep(1)
+    raise AssertionError(f"KV cache not released: {usage}")

@@ -98,7 +98,8 @@ def server(free_port, handler):
 
 @pytest.fixture
 def raw():
-    """raw(port, body, timeout_s) -> reply bytes, or None on timeout: one REQ socket per call, own context."""
+    """raw(port, body, timeout_s) -> reply bytes, or None on timeout (one REQ socket per
+    call, own context)."""
     ctx = zmq.Context()
 
     def send(port: int, body: bytes, timeout_s: float = 2.0) -> bytes | None:
@@ -183,7 +184,7 @@ def test_garbage_frame_gets_reject_then_server_keeps_serving(server, handler, ra
     body = msgspec.msgpack.encode([PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "nope"})])
     reason = reject_reason(raw(port, body))
     assert reason.startswith("side-channel message:") and "nope" in reason, reason
-    assert server.rejected == 2
+    assert server.rejected == {"malformed": 2}
     assert handler.calls == 0  # never reached the handler
     assert_serving(port, handler)
 
@@ -193,21 +194,21 @@ def test_wrong_protocol_version_gets_reject_naming_both_versions(server, handler
     hello = msgspec.msgpack.encode(Hello(engine_id="engine-d", compat=COMPAT))
     frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, hello])
     reason = reject_reason(raw(port, frame))
-    assert (
-        reason
-        == f"peer speaks pd_connector protocol {PROTOCOL_VERSION + 1}, this instance {PROTOCOL_VERSION}"
-    )
+    want = f"protocol {PROTOCOL_VERSION + 1}, this instance {PROTOCOL_VERSION}"
+    assert reason == f"peer speaks pd_connector {want}"
     assert handler.calls == 0
+    assert server.rejected == {"version_mismatch": 1}
     assert_serving(port, handler)
 
 
 def test_oversized_frame_does_not_stop_the_server(server, handler, raw):
-    """What happens today: the ROUTER socket's ZMQ_MAXMSGSIZE (= MAX_MESSAGE_BYTES) makes
-    libzmq drop the connection, so the sender gets no reply at all (it waits for its own
-    timeout), and the server keeps serving."""
+    """A frame beyond even the socket's headroom is dropped by libzmq (no reply, memory
+    bounded), and the server keeps serving."""
+    from pd_connector.side_channel import _SOCKET_LIMIT
+
     port = server.address[1]
     t0 = time.monotonic()
-    assert raw(port, b"\x00" * (MAX_MESSAGE_BYTES + 1), timeout_s=0.5) is None
+    assert raw(port, b"\x00" * (_SOCKET_LIMIT + 1), timeout_s=0.5) is None
     assert time.monotonic() - t0 < 5
     assert handler.calls == 0
     assert_serving(port, handler)
@@ -215,13 +216,6 @@ def test_oversized_frame_does_not_stop_the_server(server, handler, raw):
     assert reject_reason(raw(port, b"\x00" * MAX_MESSAGE_BYTES)).startswith("side-channel frame")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG side_channel.SideChannelServer: MAXMSGSIZE on the ROUTER socket equals "
-    "MAX_MESSAGE_BYTES, so libzmq disconnects a peer sending a bigger frame before "
-    "decode_message's 'oversized' check can run; the sender gets no Reject, only its own "
-    "timeout ('oversized' is unreachable on the server)",
-)
 def test_oversized_frame_gets_reject_saying_it_is_too_big(server, raw):
     port = server.address[1]
     reason = reject_reason(raw(port, b"\x00" * (MAX_MESSAGE_BYTES + 1), timeout_s=0.5))
@@ -253,21 +247,13 @@ def test_handler_that_raises_gets_reject_and_listener_survives(server, handler):
     assert_serving(port, handler)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG side_channel.SideChannelServer._serve: encode_message(reply) runs outside "
-    "the handler's try and its send guard catches only zmq.ZMQError, so a reply msgspec "
-    "cannot encode (e.g. a numpy int in a LayerRegion) raises TypeError and kills the "
-    "listener thread; every later call times out",
-)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_handler_reply_that_cannot_be_encoded_does_not_kill_the_listener(free_port):
     replies = iter([Reject(reason=object()), Ack()])  # type: ignore[arg-type]
     srv = SideChannelServer(HOST, free_port, lambda message: next(replies))
     try:
         with contextlib.suppress(SideChannelError):
             side_channel.call(HOST, free_port, Release(request_ids=["x"]), 0.5)
-        assert side_channel.call(HOST, free_port, Release(request_ids=["y"]), 1.0) == Ack()
+        assert side_channel.call(HOST, free_port, Release(request_ids=["y"]), 0.5) == Ack()
     finally:
         srv.close()
 
@@ -330,3 +316,41 @@ def test_bad_reply_raises_side_channel_error(free_port):
         t.join(6)
         rep.close()
         ctx.term()
+
+
+# --- shared secret (HMAC over the body) ----------------------------------------------------
+
+
+def test_shared_secret_round_trip_and_refusals(free_port, handler, raw):
+    secret = b"s3cret-shared-by-p-and-d"
+    srv = SideChannelServer(HOST, free_port, handler, secret=secret)
+    try:
+        hello = Hello(engine_id="engine-d", compat=COMPAT)
+        assert side_channel.call(HOST, free_port, hello, 5.0, secret=secret) == WELCOME
+
+        # No MAC at all: refused before the body is decoded; the Reject says why.
+        reason = reject_reason(raw(free_port, encode_message(Release(request_ids=["nomac"]))))
+        assert "without a valid MAC" in reason and "shared_secret" in reason
+        # Wrong secret: P refuses, and D cannot authenticate P's (signed) Reject either.
+        with pytest.raises(SideChannelError, match="bad reply .*without a valid MAC"):
+            side_channel.call(HOST, free_port, hello, 5.0, secret=b"other")
+        # A body swapped under a valid MAC (tampering in transit).
+        good = msgspec.msgpack.decode(encode_message(Release(request_ids=["ok"]), secret))
+        forged = msgspec.msgpack.encode(
+            [good[0], msgspec.msgpack.encode(Release(request_ids=["evil"])), good[2]]
+        )
+        assert "without a valid MAC" in reject_reason(raw(free_port, forged))
+        assert handler.released == []  # nothing unauthenticated reached the handler
+        assert srv.rejected == {"unauthenticated": 3}
+        ok = side_channel.call(HOST, free_port, Release(request_ids=["ok"]), 5.0, secret=secret)
+        assert ok == Ack()
+        assert handler.released == ["ok"]
+    finally:
+        srv.close()
+
+
+def test_client_with_secret_refuses_an_unsigned_server(server):
+    with pytest.raises(SideChannelError, match="bad reply .*without a valid MAC"):
+        side_channel.call(
+            HOST, server.address[1], Hello(engine_id="engine-d", compat=COMPAT), 5.0, secret=b"k"
+        )

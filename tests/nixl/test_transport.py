@@ -16,6 +16,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -96,10 +97,6 @@ def placement(kind: str, num_blocks: int) -> Placement:
     return Placement(kind, num_blocks, {ATTN: attn_page, MAMBA: mamba_page}, tensors, size + GUARD)
 
 
-def _ns(**kw):
-    return type("NS", (), kw)()
-
-
 @dataclass
 class Engine:
     """One side: its allocation, page map and NIXL transport."""
@@ -115,10 +112,6 @@ class Engine:
         pool makes many small ops crawl on a loaded 2-core box)."""
         return self.buf.numpy()
 
-    @property
-    def base(self) -> int:
-        return self.buf.data_ptr()
-
     def page(self, name: str, block: int) -> np.ndarray:
         off = self.placement.page_offset(name, block)
         return self.mem[off : off + self.placement.page[self.placement.group_of(name)]]
@@ -130,10 +123,14 @@ def make_engine(kind: str, num_blocks: int, seed: int | None) -> Engine:
     if seed is not None:
         buf.numpy()[:] = np.random.default_rng(seed).integers(0, 256, pl.nbytes, dtype=np.uint8)
     groups = [
-        _ns(layer_names=list(ATTN_LAYERS), kv_cache_spec=_ns(page_size_bytes=pl.page[ATTN])),
-        _ns(layer_names=list(MAMBA_LAYERS), kv_cache_spec=_ns(page_size_bytes=pl.page[MAMBA])),
+        SimpleNamespace(
+            layer_names=list(names), kv_cache_spec=SimpleNamespace(page_size_bytes=page)
+        )
+        for names, page in ((ATTN_LAYERS, pl.page[ATTN]), (MAMBA_LAYERS, pl.page[MAMBA]))
     ]
-    config = _ns(kv_cache_groups=groups, kv_cache_tensors=list(pl.tensors), num_blocks=num_blocks)
+    config = SimpleNamespace(
+        kv_cache_groups=groups, kv_cache_tensors=list(pl.tensors), num_blocks=num_blocks
+    )
     # What the model runner hands the connector: one view per layer, starting at its block 0.
     kv_caches = {name: buf[pl.page_offset(name, 0) :] for t in pl.tensors for name in t.layers}
     allocations, regions = regions_from_kv_caches(config, kv_caches, (ATTN, MAMBA))
@@ -501,14 +498,6 @@ def test_plan_refuses_pairs_for_a_group_without_layers(engines):
         d.transport.plan(PEER, [[], [], [(1, 1)]])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="BUG layout.descriptor_indices: a block id >= 2**63 (accepted by "
-    "protocol.decode_handoff_params: msgspec ints reach 2**64-1, only <= 0 is refused) makes "
-    "np.array raise OverflowError instead of LayoutError. Still refused (the worker catches "
-    "Exception and fails the load), only the exception type is wrong",
-)
 def test_plan_block_id_beyond_int64_raises_layout_error_not_overflow(engines):
     _, d = engines("block_major_padded")
     with pytest.raises(LayoutError):

@@ -1,0 +1,39 @@
+"""Optional SHA-256 of recurrent-state pages, so D can detect bytes corrupted in transfer.
+
+Reads pages through torch views of the registered allocations, so it works for DRAM and VRAM
+alike. Only Mamba groups are hashed: their state is one slot per request and a corrupted state
+is unrecoverable silently, while attention KV is large and covered by NIXL's own checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from pd_connector.protocol import LayerRegion
+
+
+class PageDigester:
+    def __init__(self, kv_caches: dict, regions: Sequence[LayerRegion]):
+        self._views = {}
+        for region in regions:
+            storage = kv_caches[region.name].untyped_storage()
+            self._views[region.name] = (storage, storage.data_ptr(), kv_caches[region.name].device)
+        self._regions = tuple(regions)
+
+    def digest(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> bytes:
+        """SHA-256 over the pages of ``group_blocks[g]`` for every layer of each group in
+        ``groups``, in region order (identical on P and D, see layout.check_matching)."""
+        h = hashlib.sha256()
+        for region in self._regions:
+            if region.group not in groups:
+                continue
+            storage, base, device = self._views[region.name]
+            for block in group_blocks[region.group]:
+                offset = region.addr - base + block * region.block_stride
+                page = torch.empty(0, dtype=torch.uint8, device=device)
+                page.set_(storage, offset, (region.page_bytes,))
+                h.update(page.cpu().numpy().tobytes())
+        return h.digest()

@@ -1,0 +1,238 @@
+"""D's load pipeline, one request at a time through: handshake -> claim -> READ -> done.
+
+- handshake: once per P engine (side channel, background thread, cached); a failed one fails
+  every request waiting on it and is retried by later requests.
+- claim: P confirms the offset and block ids match its lease and extends it (background
+  thread); refused claims fail the request *before* any byte is read.
+- READ: one prepared NIXL transfer (engine thread), its notification tells P to free.
+- optional digest check of the recurrent state after the READ.
+
+Outcomes are per request: ``finished`` or ``failed`` (the scheduler recomputes failed ones).
+All NIXL calls stay on the engine thread; the background thread only speaks ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pd_connector import side_channel
+from pd_connector.config import ConnectorSettings
+from pd_connector.metadata import ReleaseTask, RecvTask
+from pd_connector.protocol import (
+    Claim,
+    EngineCompat,
+    Granted,
+    Hello,
+    Reject,
+    Release,
+    Welcome,
+    compat_differences,
+)
+from pd_connector.transport import DONE, FAILED, NixlTransport
+
+logger = logging.getLogger("vllm.pd_connector")
+
+
+@dataclass
+class _Read:
+    handle: Any
+    task: RecvTask
+    started: float
+    descriptors: int
+    digest: bytes
+
+
+class Receiver:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        settings: ConnectorSettings,
+        engine_id: str,
+        compat: EngineCompat,
+        state_digest: Callable[[list[list[int]]], bytes] | None,
+    ):
+        self.transport = transport
+        self.settings = settings
+        self.engine_id = engine_id
+        self.compat = compat
+        self._state_digest = state_digest
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-side-channel")
+        self._handshakes: dict[str, Future] = {}
+        self._peer_errors: dict[str, str] = {}
+        self._waiting: dict[str, RecvTask] = {}
+        self._claims: dict[str, tuple[RecvTask, Future]] = {}
+        self._reads: dict[str, _Read] = {}
+        self.finished: set[str] = set()
+        self.failed: dict[str, str] = {}
+
+    # -- inputs from the scheduler -----------------------------------------------------------
+
+    def add(self, request_id: str, task: RecvTask) -> None:
+        if task.pairs is None:
+            self._fail(request_id, "P's blocks could not be paired with this instance's")
+            return
+        self._waiting[request_id] = task
+        key = task.remote_engine_id
+        if not self.transport.has_peer(key) and key not in self._handshakes:
+            self._handshakes[key] = self._executor.submit(self._handshake, task)
+
+    def release(self, task: ReleaseTask) -> None:
+        self._executor.submit(self._send_release, task)
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Move every request as far along as it can go now; never blocks."""
+        self._connect_peers()
+        self._start_claims()
+        self._start_reads()
+        self._poll_reads()
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        finished, failed = self.finished, set(self.failed)
+        self.finished, self.failed = set(), {}
+        return finished, failed
+
+    def pending(self) -> int:
+        return len(self._waiting) + len(self._claims) + len(self._reads)
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def _connect_peers(self) -> None:
+        for key, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[key]
+            try:
+                welcome = future.result()
+                self.transport.add_peer(key, welcome.agent_metadata, welcome.regions)
+                self._peer_errors.pop(key, None)
+                logger.info("pd_connector: connected to prefill engine %s", key)
+            except Exception as exc:
+                self._peer_errors[key] = str(exc)
+                logger.warning("pd_connector: handshake with prefill engine %s failed: %s", key, exc)
+
+    def _start_claims(self) -> None:
+        for request_id, task in list(self._waiting.items()):
+            key = task.remote_engine_id
+            if key in self._peer_errors:
+                del self._waiting[request_id]
+                self._fail(request_id, f"handshake failed: {self._peer_errors[key]}")
+            elif self.transport.has_peer(key):
+                del self._waiting[request_id]
+                self._claims[request_id] = (task, self._executor.submit(self._claim, task))
+        if self._peer_errors and not self._waiting and not self._handshakes:
+            # A later request retries a peer that failed (it may have restarted).
+            self._peer_errors.clear()
+
+    def _start_reads(self) -> None:
+        for request_id, (task, future) in list(self._claims.items()):
+            if not future.done():
+                continue
+            del self._claims[request_id]
+            try:
+                granted = future.result()
+                local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
+                if local_idx.size == 0:
+                    # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
+                    self.release(ReleaseTask(task.remote_engine_id, task.remote_host, task.remote_port, task.remote_request_id))
+                    self.finished.add(request_id)
+                    continue
+                handle = self.transport.read(
+                    task.remote_engine_id, local_idx, remote_idx, task.remote_request_id.encode()
+                )
+            except Exception as exc:
+                self._fail(request_id, str(exc))
+                continue
+            self._reads[request_id] = _Read(
+                handle, task, time.monotonic(), int(local_idx.size), granted.state_digest
+            )
+
+    def _poll_reads(self) -> None:
+        for request_id, read in list(self._reads.items()):
+            state = self.transport.state(read.handle)
+            if state not in (DONE, FAILED):
+                continue
+            self.transport.release(read.handle)
+            del self._reads[request_id]
+            if state == FAILED:
+                self._fail(request_id, "NIXL reported the READ failed")
+            elif read.digest and self._state_digest is not None and (
+                self._state_digest([[d for _, d in g] for g in read.task.pairs]) != read.digest
+            ):
+                self._fail(request_id, "the recurrent state read differs from P's digest")
+            else:
+                self.finished.add(request_id)
+                logger.debug(
+                    "pd_connector: %s: %d descriptors in %.2f ms",
+                    request_id,
+                    read.descriptors,
+                    (time.monotonic() - read.started) * 1e3,
+                )
+
+    def _fail(self, request_id: str, why: str) -> None:
+        logger.warning(
+            "pd_connector: loading KV for %s failed (%s); load_failure_policy=%s",
+            request_id,
+            why,
+            self.settings.load_failure_policy,
+        )
+        self.failed[request_id] = why
+
+    # -- background thread: side channel only ---------------------------------------------------
+
+    def _call(self, task, message):
+        return side_channel.call(
+            task.remote_host,
+            task.remote_port,
+            message,
+            self.settings.handshake_timeout_seconds,
+            self.settings.secret,
+        )
+
+    def _handshake(self, task: RecvTask) -> Welcome:
+        reply = self._call(task, Hello(engine_id=self.engine_id, compat=self.compat))
+        if isinstance(reply, Reject):
+            raise side_channel.SideChannelError(reply.reason)
+        if not isinstance(reply, Welcome):
+            raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
+        if reply.engine_id != task.remote_engine_id:
+            raise side_channel.SideChannelError(
+                f"{task.remote_host}:{task.remote_port} is engine {reply.engine_id}, not "
+                f"{task.remote_engine_id} named in kv_transfer_params"
+            )
+        diffs = compat_differences(self.compat, reply.compat)
+        if diffs:
+            raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
+        return reply
+
+    def _claim(self, task: RecvTask) -> Granted:
+        reply = self._call(
+            task,
+            Claim(
+                engine_id=self.engine_id,
+                request_id=task.remote_request_id,
+                replay_offset=task.replay_offset,
+                block_ids=task.remote_block_ids or [],
+            ),
+        )
+        if isinstance(reply, Reject):
+            raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
+        if not isinstance(reply, Granted):
+            raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def _send_release(self, task: ReleaseTask) -> None:
+        try:
+            self._call(task, Release(request_ids=[task.remote_request_id]))
+        except side_channel.SideChannelError as exc:
+            # P frees the blocks at lease expiry anyway.
+            logger.info("pd_connector: release of %s not delivered: %s", task.remote_request_id, exc)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,342 @@
+"""Pure tests of pd_connector.leases: P's lease table for handed-off blocks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pd_connector.leases import EXPIRED, GRANTED, MEMORY_TTL, MISMATCH, UNKNOWN, LeaseTable
+
+# --- unit semantics ---------------------------------------------------------------------------
+
+
+def test_grant_then_complete_finishes_once():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0)
+    assert t.holds("a") and len(t) == 1
+    assert t.complete("a", now=5.0) is True
+    assert not t.holds("a") and len(t) == 0
+    assert t.take_finished() == {"a"}
+    assert t.take_finished() == set()
+    assert t.expire(1000.0) == []
+    assert t.take_finished() == set()
+
+
+def test_grant_then_expire_finishes_once():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0)
+    assert t.expire(99.9) == []
+    assert t.expire(100.0) == ["a"]  # deadline is inclusive
+    assert t.expired_total == 1
+    assert t.take_finished() == {"a"}
+    assert t.complete("a", now=101.0) is False  # a late notification finishes nothing
+    assert t.expire(200.0) == []
+    assert t.take_finished() == set()
+
+
+def test_early_completion_settles_grant_on_arrival():
+    t = LeaseTable()
+    assert t.complete("a", now=1.0) is False  # D read before P's worker saw the grant
+    assert t.take_finished() == set()
+    t.grant("a", deadline=500.0)
+    assert not t.holds("a")
+    assert t.take_finished() == {"a"}
+    assert t.expire(10_000.0) == []
+    assert t.expired_total == 0
+
+
+def test_early_completion_forgotten_after_ttl():
+    t = LeaseTable()
+    t.complete("a", now=0.0)
+    t.expire(MEMORY_TTL)  # exactly the TTL: still remembered
+    t.grant("a", deadline=10_000.0)
+    assert t.take_finished() == {"a"}
+    t.complete("b", now=0.0)
+    t.expire(MEMORY_TTL + 0.001)  # past the TTL: forgotten
+    t.grant("b", deadline=10_000.0)
+    assert t.holds("b") and t.take_finished() == set()
+    assert t.expire(10_000.0) == ["b"]
+
+
+def test_expiry_scans_all_entries_regardless_of_grant_order():
+    """vllm#58222: deadlines are not in grant order once leases differ."""
+    t = LeaseTable()
+    t.grant("long", deadline=1000.0)
+    t.grant("short", deadline=10.0)
+    t.grant("mid", deadline=500.0)
+    assert t.expire(50.0) == ["short"]
+    assert sorted(t.expire(600.0)) == ["mid"]
+    assert t.holds("long")
+    assert t.take_finished() == {"short", "mid"}
+
+
+def test_completion_after_expiry_is_not_remembered_as_early():
+    t = LeaseTable()
+    t.grant("a", deadline=10.0)
+    assert t.expire(10.0) == ["a"]
+    assert t.complete("a", now=11.0) is False
+    assert t._early == {}  # noqa: SLF001 - a late completion must not linger as "early"
+
+
+def test_duplicate_completion_finishes_once():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0)
+    assert t.complete("a", 1.0) is True
+    assert t.complete("a", 2.0) is False  # NIXL notification and side-channel release both
+    assert t.take_finished() == {"a"}
+    assert t.expire(1000.0) == []
+    assert t.take_finished() == set()
+
+
+# --- claims -----------------------------------------------------------------------------------
+
+BLOCKS = [[3, 4, 5], [9]]
+
+
+def granted_table(deadline=100.0, offset=40, blocks=BLOCKS):
+    t = LeaseTable()
+    t.grant("a", deadline=deadline, offset=offset, block_ids=blocks)
+    return t
+
+
+def test_exact_claim_is_granted_and_extends_the_lease():
+    t = granted_table(deadline=100.0)
+    assert t.claim("a", 40, [[3, 4, 5], [9]], now=50.0, extend_to=170.0) == (GRANTED, "")
+    assert t.expire(150.0) == []  # the old deadline no longer applies
+    assert t.expire(170.0) == ["a"]
+
+
+def test_claim_never_shortens_the_lease():
+    t = granted_table(deadline=100.0)
+    assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=20.0)[0] == GRANTED
+    assert t.expire(50.0) == []
+    assert t.expire(100.0) == ["a"]
+
+
+def test_claim_accepts_tuples_and_lists_alike():
+    t = granted_table(blocks=((3, 4, 5), (9,)))
+    assert t.claim("a", 40, [[3, 4, 5], [9]], now=0.0, extend_to=0.0)[0] == GRANTED
+    t = granted_table(blocks=[[3, 4, 5], [9]])
+    assert t.claim("a", 40, ((3, 4, 5), (9,)), now=0.0, extend_to=0.0)[0] == GRANTED
+
+
+@pytest.mark.parametrize(
+    "offset, blocks",
+    [
+        (39, BLOCKS),  # offset shifted by one: the silent desync
+        (41, BLOCKS),
+        (0, BLOCKS),
+        (40, [[3, 4, 6], [9]]),  # a block rewritten
+        (40, [[3, 4], [9]]),  # a block dropped
+        (40, [[3, 4, 5, 6], [9]]),
+        (40, [[4, 3, 5], [9]]),  # reordered
+        (40, [[9], [3, 4, 5]]),  # groups swapped
+        (40, [[3, 4, 5]]),  # a group dropped
+        (40, [[3, 4, 5], [9], []]),
+        (40, []),
+    ],
+)
+def test_altered_claim_is_a_mismatch_and_changes_nothing(offset, blocks):
+    t = granted_table(deadline=100.0)
+    outcome, why = t.claim("a", offset, blocks, now=0.0, extend_to=500.0)
+    assert outcome == MISMATCH
+    assert "40" in why and str(offset) in why
+    assert t.holds("a")
+    assert t.expire(100.0) == ["a"]  # not extended
+
+
+def test_claim_for_unknown_request():
+    t = granted_table()
+    outcome, why = t.claim("zzz", 40, BLOCKS, now=0.0, extend_to=10.0)
+    assert outcome == UNKNOWN and "zzz" in why
+
+
+def test_claim_past_deadline_is_expired_even_before_the_sweep():
+    t = granted_table(deadline=100.0)
+    assert t.claim("a", 40, BLOCKS, now=100.0, extend_to=300.0)[0] == EXPIRED
+    assert t.expire(100.0) == ["a"]  # the claim did not revive it
+
+
+def test_claim_after_expiry_is_expired_then_forgotten():
+    t = granted_table(deadline=100.0)
+    t.expire(100.0)
+    assert t.claim("a", 40, BLOCKS, now=101.0, extend_to=300.0)[0] == EXPIRED
+    t.expire(100.0 + MEMORY_TTL + 1)
+    assert t.claim("a", 40, BLOCKS, now=100.0 + MEMORY_TTL + 2, extend_to=0.0)[0] == UNKNOWN
+
+
+def test_claim_after_completion_is_unknown():
+    t = granted_table()
+    t.complete("a", now=1.0)
+    assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=300.0)[0] == UNKNOWN
+    assert t.take_finished() == {"a"}
+
+
+# --- random interleavings: each granted id finishes exactly once -------------------------------
+
+ids = st.sampled_from([f"r{i}" for i in range(8)])
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Model: ids are granted at most once (one request_finished per request); completions
+    (NIXL notifications, releases, duplicates, strays for never-granted ids) and expiries
+    interleave arbitrarily with a non-decreasing clock."""
+
+    @initialize()
+    def setup(self):
+        self.t = LeaseTable()
+        self.now = 0.0
+        self.granted: dict[str, float] = {}
+        self.leased: dict[str, tuple[int, list[list[int]]]] = {}
+        self.finished: Counter[str] = Counter()
+        self.early: dict[str, float] = {}  # model of remembered early completions
+        self.expired = 0
+
+    def _take(self):
+        got = self.t.take_finished()
+        for rid in got:
+            self.finished[rid] += 1
+            assert rid in self.granted, f"{rid} finished but never granted"
+        return got
+
+    @rule(dt=st.floats(0, 400))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule(rid=ids, lease=st.floats(0, 300), offset=st.integers(0, 3), blocks=st.lists(st.lists(st.integers(1, 5), max_size=2), max_size=2))
+    def grant(self, rid, lease, offset, blocks):
+        if rid in self.granted:
+            return
+        self.granted[rid] = self.now + lease
+        self.leased[rid] = (offset, blocks)
+        early = rid in self.early
+        self.t.grant(rid, self.now + lease, offset, blocks)
+        if early:
+            del self.early[rid]
+            assert not self.t.holds(rid)
+            assert rid in self._take()
+        else:
+            assert self.t.holds(rid)
+
+    @rule(rid=ids)
+    def complete(self, rid):
+        held = self.t.holds(rid)
+        result = self.t.complete(rid, self.now)
+        assert result is held
+        if not held:
+            self.early[rid] = self.now
+        else:
+            assert rid in self._take()
+
+    @rule(
+        rid=ids,
+        exact=st.booleans(),
+        offset=st.integers(0, 3),
+        blocks=st.lists(st.lists(st.integers(1, 5), max_size=2), max_size=2),
+        extend=st.floats(0, 300),
+    )
+    def claim(self, rid, exact, offset, blocks, extend):
+        if exact and rid in self.leased:
+            offset, blocks = self.leased[rid]
+        held = self.t.holds(rid)
+        outcome, _ = self.t.claim(rid, offset, blocks, self.now, self.now + extend)
+        if not held:
+            assert outcome in (UNKNOWN, EXPIRED)
+        elif self.granted[rid] <= self.now:
+            assert outcome == EXPIRED
+        elif (offset, blocks) == self.leased[rid]:
+            assert outcome == GRANTED
+            self.granted[rid] = max(self.granted[rid], self.now + extend)
+        else:
+            assert outcome == MISMATCH
+        assert self.t.holds(rid) == held  # a claim never ends or creates a lease
+
+    @rule()
+    def expire(self):
+        held_before = {rid for rid in self.granted if self.t.holds(rid)}
+        due = {rid for rid in held_before if self.granted[rid] <= self.now}
+        expired = self.t.expire(self.now)
+        assert len(expired) == len(set(expired))
+        assert set(expired) == due
+        self.expired += len(expired)
+        self.early = {r: s for r, s in self.early.items() if self.now - s <= MEMORY_TTL}
+        assert set(self._take()) == due
+
+    @invariant()
+    def each_id_finished_at_most_once(self):
+        if not hasattr(self, "t"):
+            return
+        assert all(c == 1 for c in self.finished.values()), self.finished
+        assert self.t.expired_total == self.expired
+        assert len(self.t) == sum(1 for rid in self.granted if self.t.holds(rid))
+        for rid in self.granted:
+            # Granted ids are either held or finished, never both, never neither.
+            assert self.t.holds(rid) != (self.finished[rid] == 1)
+
+    def teardown(self):
+        if not hasattr(self, "t"):
+            return
+        self.t.expire(float("inf"))
+        self._take()
+        assert set(self.finished) == set(self.granted)
+        assert all(c == 1 for c in self.finished.values())
+        assert len(self.t) == 0
+
+
+LeaseMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
+)
+TestLeaseInterleavings = LeaseMachine.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["grant", "complete", "expire", "take"]), ids, st.floats(0, 500)),
+        max_size=60,
+    )
+)
+def test_random_operation_sequences_finish_each_granted_id_once(ops):
+    """The same property without a model: only counts of finished ids are checked."""
+    t = LeaseTable()
+    now, granted, finished = 0.0, set(), Counter()
+    for op, rid, x in ops:
+        now += x / 10
+        if op == "grant" and rid not in granted:
+            granted.add(rid)
+            t.grant(rid, now + x)
+        elif op == "complete":
+            t.complete(rid, now)
+        elif op == "expire":
+            t.expire(now)
+        elif op == "take":
+            finished.update(t.take_finished())
+    t.expire(float("inf"))
+    finished.update(t.take_finished())
+    assert set(finished) == granted
+    assert all(c == 1 for c in finished.values())
+
+
+@pytest.mark.parametrize("n", [1, 50, 1000])
+def test_many_leases_with_shuffled_deadlines(n):
+    t = LeaseTable()
+    deadlines = {f"r{i}": float((i * 7919) % n) for i in range(n)}
+    for rid, d in deadlines.items():
+        t.grant(rid, d)
+    got = []
+    for now in range(n):
+        got.extend(t.expire(float(now)))
+        assert all(deadlines[r] <= now for r in got)
+    assert sorted(got) == sorted(deadlines)
+    assert t.take_finished() == set(deadlines)
