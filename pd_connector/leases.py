@@ -75,6 +75,14 @@ class LeaseTable:
         self._leases[request_id] = lease._replace(deadline=max(lease.deadline, extend_to))
         return GRANTED, ""
 
+    def extend(self, request_id: str, now: float, extend_to: float) -> bool:
+        """Keep a live lease at least until ``extend_to`` (D still waits to read it)."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.deadline <= now:
+            return False
+        self._leases[request_id] = lease._replace(deadline=max(lease.deadline, extend_to))
+        return True
+
     def complete(self, request_id: str, now: float) -> bool:
         """D is done with ``request_id``. False if no lease is known (yet, or any more)."""
         if self._leases.pop(request_id, None) is not None:

@@ -43,7 +43,17 @@ class ReleaseTask:
 
 
 @dataclass
+class ExtendTask:
+    """D: ask P to extend the leases of requests still waiting for admission on D."""
+
+    remote_host: str
+    remote_port: int
+    remote_request_ids: list[str]
+
+
+@dataclass
 class PDMetadata(KVConnectorMetadata):
     to_send: dict[str, SendLease] = field(default_factory=dict)
     to_recv: dict[str, RecvTask] = field(default_factory=dict)
     to_release: list[ReleaseTask] = field(default_factory=list)
+    to_extend: list[ExtendTask] = field(default_factory=list)

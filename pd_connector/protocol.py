@@ -197,6 +197,13 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     block_ids: list[list[int]]
 
 
+class Extend(msgspec.Struct, tag="extend", frozen=True):
+    """D -> P, periodically: D still intends to read these requests (they wait for admission
+    on D); P extends their leases so a busy D does not lose them."""
+
+    request_ids: list[str]
+
+
 class Granted(msgspec.Struct, tag="granted", frozen=True):
     """P -> D: the claim matches a live lease, now valid for ``lease_seconds`` more.
     ``state_digest`` (optional): SHA-256 of the recurrent-state pages, for D to verify."""
@@ -215,7 +222,7 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     reason: str
 
 
-Message = Hello | Welcome | Release | Claim | Granted | Ack | Reject
+Message = Hello | Welcome | Release | Claim | Extend | Granted | Ack | Reject
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

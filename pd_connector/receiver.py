@@ -22,10 +22,11 @@ from typing import Any
 
 from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
-from pd_connector.metadata import ReleaseTask, RecvTask
+from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask
 from pd_connector.protocol import (
     Claim,
     EngineCompat,
+    Extend,
     Granted,
     Hello,
     Reject,
@@ -83,6 +84,9 @@ class Receiver:
 
     def release(self, task: ReleaseTask) -> None:
         self._executor.submit(self._send_release, task)
+
+    def extend(self, task: ExtendTask) -> None:
+        self._executor.submit(self._send_extend, task)
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -233,6 +237,12 @@ class Receiver:
         except side_channel.SideChannelError as exc:
             # P frees the blocks at lease expiry anyway.
             logger.info("pd_connector: release of %s not delivered: %s", task.remote_request_id, exc)
+
+    def _send_extend(self, task: ExtendTask) -> None:
+        try:
+            self._call(task, Extend(request_ids=task.remote_request_ids))
+        except side_channel.SideChannelError as exc:
+            logger.info("pd_connector: lease extension not delivered to %s:%d: %s", task.remote_host, task.remote_port, exc)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pd_connector import handoff, pairing
 from pd_connector.config import ConnectorSettings
-from pd_connector.metadata import PDMetadata, ReleaseTask, RecvTask, SendLease
+from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease
 from pd_connector.protocol import KEY_MIN_RECOMPUTE, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
 from pd_connector.vllm_compat import layouts_from_kv_cache_config, profile_from_vllm
 
@@ -59,6 +59,7 @@ class SchedulerHalf:
         self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
         self._to_release: list[ReleaseTask] = []
+        self._last_extend = time.monotonic()
         logger.info(
             "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
             "replay grid %d",
@@ -81,10 +82,25 @@ class SchedulerHalf:
 
     def build_connector_meta(self) -> PDMetadata:
         meta = PDMetadata(
-            to_send=self._to_send, to_recv=self._to_recv, to_release=self._to_release
+            to_send=self._to_send,
+            to_recv=self._to_recv,
+            to_release=self._to_release,
+            to_extend=self._due_extensions(),
         )
         self._to_send, self._to_recv, self._to_release = {}, {}, []
         return meta
+
+    def _due_extensions(self) -> list[ExtendTask]:
+        """Every third of a lease, the handoffs still waiting for admission here, per P."""
+        now = time.monotonic()
+        if not self._decisions or now - self._last_extend < self.settings.lease_seconds / 3:
+            return []
+        self._last_extend = now
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        for decision in self._decisions.values():
+            p = decision.params
+            by_peer.setdefault((p.remote_host, p.remote_port), []).append(p.remote_request_id)
+        return [ExtendTask(host, port, ids) for (host, port), ids in by_peer.items()]
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]

@@ -28,6 +28,7 @@ from pd_connector.pairing import MAMBA
 from pd_connector.protocol import (
     Ack,
     Claim,
+    Extend,
     Granted,
     Hello,
     Message,
@@ -120,6 +121,12 @@ class WorkerHalf:
             return self._welcome
         if isinstance(message, Claim):
             return self._serve_claim(message)
+        if isinstance(message, Extend):
+            now = time.monotonic()
+            with self._lease_changed:
+                for request_id in message.request_ids:
+                    self._leases.extend(request_id, now, now + self.settings.lease_seconds)
+            return Ack()
         if isinstance(message, Release):
             now = time.monotonic()
             with self._lease_changed:
@@ -160,11 +167,13 @@ class WorkerHalf:
                 for request_id, lease in meta.to_send.items():
                     self._leases.grant(request_id, lease.deadline, lease.offset, lease.block_ids)
                 self._lease_changed.notify_all()
-        assert self.receiver is not None or not (meta.to_recv or meta.to_release)
+        assert self.receiver is not None or not (meta.to_recv or meta.to_release or meta.to_extend)
         for request_id, task in meta.to_recv.items():
             self.receiver.add(request_id, task)
         for release in meta.to_release:
             self.receiver.release(release)
+        for extension in meta.to_extend:
+            self.receiver.extend(extension)
         if self.receiver is not None:
             self.receiver.advance()
 

@@ -39,7 +39,11 @@ def random_prompt(n: int, seed: int) -> list[int]:
 # Connector settings exercised end to end per model (defaults elsewhere): the authenticated side
 # channel and the recurrent-state digest on one hybrid.
 E2E_EXTRA_CONFIG: dict[str, dict] = {
-    kind: {"handshake_timeout_seconds": 3, **({"verify_state_digest": True} if kind == "nemotron_h" else {})}
+    kind: {
+        "handshake_timeout_seconds": 3,
+        # The load test's orphaned leases (clients gone between P and D) expire within a minute.
+        **({"verify_state_digest": True, "lease_seconds": 30} if kind == "nemotron_h" else {}),
+    }
     for kind in CPU_MODELS
 }
 E2E_SECRET: dict[str, str] = {"nemotron_h": "e2e-shared-secret"}

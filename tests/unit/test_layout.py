@@ -112,8 +112,10 @@ def test_descriptor_indices_example_layer_major():
     local = [LayerRegion("a", 0, 0, 8, 8, 10), LayerRegion("m", 1, 0, 8, 8, 5), LayerRegion("b", 0, 0, 8, 8, 10)]
     remote = [LayerRegion("a", 0, 0, 8, 8, 20), LayerRegion("m", 1, 0, 8, 8, 6), LayerRegion("b", 0, 0, 8, 8, 20)]
     li, ri = plan(local, remote, [[(3, 1), (4, 2)], [(5, 4)]])
-    assert li.tolist() == [1, 2, 26, 27, 14]  # a: 0+, b: 25+ ; then m: 10+
-    assert ri.tolist() == [3, 4, 49, 50, 25]  # a: 0+, b: 46+ ; then m: 20+
+    # Offsets: local a=0, m=10, b=15; remote a=0, m=20, b=26. Group 0 layer-major (a, then b),
+    # then group 1 (m).
+    assert li.tolist() == [1, 2, 16, 17, 14]
+    assert ri.tolist() == [3, 4, 29, 30, 25]
 
 
 @SETTINGS
@@ -154,17 +156,21 @@ def test_pairs_for_group_without_layers_raise():
         plan(local, local, [[], [(1, 1)]])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layout.descriptor_indices builds np.array(pairs, dtype=int64): a block id >= 2**63 "
-    "(which decode_handoff_params accepts in remote_block_ids, msgspec.convert has no int "
-    "bound) raises OverflowError instead of LayoutError",
-)
 @pytest.mark.parametrize("bad", [2**63, 2**70, -(2**63) - 1])
 def test_descriptor_indices_block_id_beyond_int64_raises_layout_error(bad):
+    """Regression: np.array(..., dtype=int64) raised OverflowError, not LayoutError."""
     local = [LayerRegion("a", 0, 0, 8, 8, 10)]
     with pytest.raises(LayoutError):
         plan(local, local, [[(bad, 1)]])
+    with pytest.raises(LayoutError):
+        plan(local, local, [[(1, bad)]])
+
+
+@pytest.mark.parametrize("pairs", [[[(1,)]], [[(1, 2, 3)]], [[("a", 1)]], [[None]]])
+def test_descriptor_indices_malformed_pairs_raise_layout_error(pairs):
+    local = [LayerRegion("a", 0, 0, 8, 8, 10)]
+    with pytest.raises(LayoutError):
+        plan(local, local, pairs)
 
 
 # --- count_runs -------------------------------------------------------------------------------

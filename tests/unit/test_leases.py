@@ -176,6 +176,24 @@ def test_claim_after_expiry_is_expired_then_forgotten():
     assert t.claim("a", 40, BLOCKS, now=100.0 + MEMORY_TTL + 2, extend_to=0.0)[0] == UNKNOWN
 
 
+def test_extend_keeps_a_live_lease_and_never_shortens_it():
+    t = granted_table(deadline=100.0)
+    assert t.extend("a", now=50.0, extend_to=200.0) is True
+    assert t.expire(150.0) == []
+    assert t.extend("a", now=60.0, extend_to=70.0) is True  # no shortening
+    assert t.expire(199.0) == []
+    assert t.expire(200.0) == ["a"]
+
+
+def test_extend_does_not_revive_or_create_leases():
+    t = granted_table(deadline=100.0)
+    assert t.extend("a", now=100.0, extend_to=500.0) is False  # past deadline, not yet swept
+    assert t.expire(100.0) == ["a"]
+    assert t.extend("a", now=101.0, extend_to=500.0) is False  # expired
+    assert t.extend("zzz", now=0.0, extend_to=500.0) is False  # unknown
+    assert not t.holds("zzz") and len(t) == 0
+
+
 def test_claim_after_completion_is_unknown():
     t = granted_table()
     t.complete("a", now=1.0)
@@ -261,6 +279,15 @@ class LeaseMachine(RuleBasedStateMachine):
         else:
             assert outcome == MISMATCH
         assert self.t.holds(rid) == held  # a claim never ends or creates a lease
+
+    @rule(rid=ids, extend=st.floats(0, 300))
+    def extend(self, rid, extend):
+        held = self.t.holds(rid)
+        live = held and self.granted[rid] > self.now
+        assert self.t.extend(rid, self.now, self.now + extend) is live
+        if live:
+            self.granted[rid] = max(self.granted[rid], self.now + extend)
+        assert self.t.holds(rid) == held
 
     @rule()
     def expire(self):

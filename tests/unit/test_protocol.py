@@ -22,6 +22,7 @@ from pd_connector.protocol import (
     Claim,
     EngineCompat,
     Envelope,
+    Extend,
     Granted,
     GroupDesc,
     Hello,
@@ -88,6 +89,7 @@ messages = st.one_of(
         replay_offset=st.integers(0, 2**40),
         block_ids=st.lists(st.lists(st.integers(1, MAX_BLOCK_ID), max_size=4), max_size=3),
     ),
+    st.builds(Extend, request_ids=st.lists(names, max_size=5)),
     st.builds(
         Granted,
         lease_seconds=st.floats(allow_nan=False),
@@ -139,6 +141,7 @@ def test_every_message_round_trips(message, secret):
         Release(request_ids=["a", "b"]),
         Claim(engine_id="e", request_id="r", replay_offset=0, block_ids=[]),
         Granted(lease_seconds=120.0),
+        Extend(request_ids=[]),
         Hello(engine_id="", compat=EngineCompat("m", "bf16", "auto", [], "DS", 1, "cpu")),
     ],
 )
@@ -251,7 +254,12 @@ def test_arbitrary_msgpack_frames_give_protocol_error(value):
 
 
 @SETTINGS
-@given(msgpack_values, st.sampled_from(["hello", "welcome", "release", "ack", "reject", "nope"]))
+@given(
+    msgpack_values,
+    st.sampled_from(
+        ["hello", "welcome", "release", "claim", "extend", "granted", "ack", "reject", "nope"]
+    ),
+)
 def test_tagged_bodies_with_junk_fields_give_protocol_error(fields, tag):
     body = {"type": tag}
     if isinstance(fields, dict):
