@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pd_connector.config import parse_settings
+from pd_connector.metrics import PDPromMetrics, PDStats
 from pd_connector.metadata import PDMetadata
 from pd_connector.vllm_compat import check_supported
 
@@ -114,6 +115,21 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # -- metrics (both roles) -------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> PDStats | None:
+        if self._scheduler is not None:
+            return self._scheduler.recorder.interval.take()
+        return self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDStats:
+        return PDStats(data=dict(data)) if data else PDStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask
+from pd_connector.metrics import Recorder
 from pd_connector.protocol import (
     Claim,
     EngineCompat,
@@ -46,6 +47,7 @@ class _Read:
     started: float
     descriptors: int
     digest: bytes
+    nbytes: int
 
 
 class Receiver:
@@ -62,11 +64,15 @@ class Receiver:
         self.engine_id = engine_id
         self.compat = compat
         self._state_digest = state_digest
+        self.recorder = Recorder()
+        self._group_page_bytes: dict[int, int] = {}
+        for region in transport.regions:
+            self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-side-channel")
         self._handshakes: dict[str, Future] = {}
         self._peer_errors: dict[str, str] = {}
         self._waiting: dict[str, RecvTask] = {}
-        self._claims: dict[str, tuple[RecvTask, Future]] = {}
+        self._claims: dict[str, tuple[RecvTask, Future, float]] = {}
         self._reads: dict[str, _Read] = {}
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
@@ -75,7 +81,7 @@ class Receiver:
 
     def add(self, request_id: str, task: RecvTask) -> None:
         if task.pairs is None:
-            self._fail(request_id, "P's blocks could not be paired with this instance's")
+            self._fail(request_id, "P's blocks could not be paired with this instance's", "pairing")
             return
         self._waiting[request_id] = task
         key = task.remote_engine_id
@@ -113,8 +119,9 @@ class Receiver:
                 continue
             del self._handshakes[key]
             try:
-                welcome = future.result()
+                welcome, seconds = future.result()
                 self.transport.add_peer(key, welcome.agent_metadata, welcome.regions)
+                self.recorder.observe("handshake_seconds", seconds)
                 self._peer_errors.pop(key, None)
                 logger.info("pd_connector: connected to prefill engine %s", key)
             except Exception as exc:
@@ -126,21 +133,25 @@ class Receiver:
             key = task.remote_engine_id
             if key in self._peer_errors:
                 del self._waiting[request_id]
-                self._fail(request_id, f"handshake failed: {self._peer_errors[key]}")
+                self._fail(request_id, f"handshake failed: {self._peer_errors[key]}", "handshake")
             elif self.transport.has_peer(key):
                 del self._waiting[request_id]
-                self._claims[request_id] = (task, self._executor.submit(self._claim, task))
+                self._claims[request_id] = (task, self._executor.submit(self._claim, task), time.monotonic())
         if self._peer_errors and not self._waiting and not self._handshakes:
             # A later request retries a peer that failed (it may have restarted).
             self._peer_errors.clear()
 
     def _start_reads(self) -> None:
-        for request_id, (task, future) in list(self._claims.items()):
+        for request_id, (task, future, started) in list(self._claims.items()):
             if not future.done():
                 continue
             del self._claims[request_id]
             try:
                 granted = future.result()
+            except Exception as exc:
+                self._fail(request_id, str(exc), "claim")
+                continue
+            try:
                 local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
                 if local_idx.size == 0:
                     # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
@@ -151,10 +162,11 @@ class Receiver:
                     task.remote_engine_id, local_idx, remote_idx, task.remote_request_id.encode()
                 )
             except Exception as exc:
-                self._fail(request_id, str(exc))
+                self._fail(request_id, str(exc), "post")
                 continue
+            nbytes = sum(len(pairs) * self._group_page_bytes.get(g, 0) for g, pairs in enumerate(task.pairs))
             self._reads[request_id] = _Read(
-                handle, task, time.monotonic(), int(local_idx.size), granted.state_digest
+                handle, task, started, int(local_idx.size), granted.state_digest, nbytes
             )
 
     def _poll_reads(self) -> None:
@@ -165,13 +177,16 @@ class Receiver:
             self.transport.release(read.handle)
             del self._reads[request_id]
             if state == FAILED:
-                self._fail(request_id, "NIXL reported the READ failed")
+                self._fail(request_id, "NIXL reported the READ failed", "nixl")
             elif read.digest and self._state_digest is not None and (
                 self._state_digest([[d for _, d in g] for g in read.task.pairs]) != read.digest
             ):
-                self._fail(request_id, "the recurrent state read differs from P's digest")
+                self._fail(request_id, "the recurrent state read differs from P's digest", "digest")
             else:
                 self.finished.add(request_id)
+                self.recorder.observe("transfer_seconds", time.monotonic() - read.started)
+                self.recorder.observe("transfer_bytes", read.nbytes)
+                self.recorder.observe("descriptors", read.descriptors)
                 logger.debug(
                     "pd_connector: %s: %d descriptors in %.2f ms",
                     request_id,
@@ -179,7 +194,8 @@ class Receiver:
                     (time.monotonic() - read.started) * 1e3,
                 )
 
-    def _fail(self, request_id: str, why: str) -> None:
+    def _fail(self, request_id: str, why: str, kind: str) -> None:
+        self.recorder.count(f"load_failed:{kind}")
         logger.warning(
             "pd_connector: loading KV for %s failed (%s); load_failure_policy=%s",
             request_id,
@@ -199,7 +215,8 @@ class Receiver:
             self.settings.secret,
         )
 
-    def _handshake(self, task: RecvTask) -> Welcome:
+    def _handshake(self, task: RecvTask) -> tuple[Welcome, float]:
+        started = time.monotonic()
         reply = self._call(task, Hello(engine_id=self.engine_id, compat=self.compat))
         if isinstance(reply, Reject):
             raise side_channel.SideChannelError(reply.reason)
@@ -213,7 +230,7 @@ class Receiver:
         diffs = compat_differences(self.compat, reply.compat)
         if diffs:
             raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
-        return reply
+        return reply, time.monotonic() - started
 
     def _claim(self, task: RecvTask) -> Granted:
         reply = self._call(

@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from pd_connector import handoff, pairing
 from pd_connector.config import ConnectorSettings
+from pd_connector.metrics import Recorder
 from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease
 from pd_connector.protocol import KEY_MIN_RECOMPUTE, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
 from pd_connector.vllm_compat import layouts_from_kv_cache_config, profile_from_vllm
@@ -51,7 +51,7 @@ class SchedulerHalf:
         self.profile = profile_from_vllm(vllm_config, kv_cache_config)
         self.group_ids = tuple(kv_cache_config.transfer_group_ids)
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
-        self.stats: Counter[str] = Counter()
+        self.recorder = Recorder()
         self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
@@ -68,6 +68,11 @@ class SchedulerHalf:
             handoff.min_recompute_tokens(self.profile),
             self.profile.replay_grid,
         )
+
+    @property
+    def stats(self):
+        """Cumulative event counts (see metrics.py for the labels)."""
+        return self.recorder.totals
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -129,7 +134,7 @@ class SchedulerHalf:
                 KEY_MIN_RECOMPUTE,
                 requested,
             )
-            self.stats["bad_min_recompute"] += 1
+            self.recorder.count("bad_min_recompute")
             requested = 0
         offset = 0
         if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
@@ -161,7 +166,7 @@ class SchedulerHalf:
                 request.num_computed_tokens,
                 offset,
             )
-            self.stats["p_offset_not_computed"] += 1
+            self.recorder.count("p_offset_not_computed")
             offset = 0
         transfer_ids = tuple(block_ids[g] for g in self.group_ids)
         source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
@@ -173,7 +178,7 @@ class SchedulerHalf:
             offset=offset,
             block_ids=source,
         )
-        self.stats["handoffs_offered"] += 1
+        self.recorder.count("handoff_offered")
         return True, out
 
     def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
@@ -202,7 +207,7 @@ class SchedulerHalf:
     def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
         decision = handoff.decide_on_decode(params, request.num_prompt_tokens, self.profile)
         if isinstance(decision, handoff.Refused):
-            self.stats[f"refused_{decision.kind}"] += 1
+            self.recorder.count(f"refused:{decision.kind}")
             logger.warning(
                 "pd_connector: request %s: refusing the handoff (%s): %s",
                 request.request_id,
@@ -213,14 +218,14 @@ class SchedulerHalf:
                 self._queue_release(decision.params)
             return
         if decision.offset == 0:
-            self.stats["handoffs_empty"] += 1
+            self.recorder.count("handoff_empty")
             return
         shift = params.get(FAULT_RESUME_SHIFT) if self._fault_injection else None
         if isinstance(shift, int) and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         if len(decision.params.remote_block_ids) != len(self.layouts):
-            self.stats["refused_group_mismatch"] += 1
+            self.recorder.count("refused:group_mismatch")
             logger.warning(
                 "pd_connector: request %s: refusing the handoff: P sent %d block lists, this "
                 "instance has %d KV-cache groups",
@@ -258,7 +263,7 @@ class SchedulerHalf:
             # The load is already admitted; the worker reports it failed and vLLM's
             # "recompute" policy (set by PDConnector) re-prefills the prompt locally.
             logger.warning("pd_connector: request %s: cannot pair blocks: %s", request.request_id, exc)
-            self.stats["refused_pairing"] += 1
+            self.recorder.count("refused:pairing")
             pairs = None
         self._to_recv[request.request_id] = RecvTask(
             remote_engine_id=params.remote_engine_id,
@@ -270,7 +275,8 @@ class SchedulerHalf:
             replay_offset=params.replay_offset,
             remote_block_ids=params.remote_block_ids,
         )
-        self.stats["handoffs_accepted"] += 1
+        self.recorder.count("handoff_accepted")
+        self.recorder.observe("recompute_tokens", request.num_prompt_tokens - decision.offset)
         logger.info(
             "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
             "recomputing %d token(s)",

@@ -24,6 +24,7 @@ from pd_connector.config import ConnectorSettings
 from pd_connector.digest import PageDigester
 from pd_connector.leases import GRANTED, UNKNOWN, LeaseTable
 from pd_connector.metadata import PDMetadata
+from pd_connector.metrics import PDStats, Recorder
 from pd_connector.pairing import MAMBA
 from pd_connector.protocol import (
     Ack,
@@ -63,6 +64,9 @@ class WorkerHalf:
         # P side: the lease table is shared with the side-channel thread.
         self._leases = LeaseTable()
         self._lease_changed = threading.Condition()
+        # P-side events; written under _lease_changed (the side-channel thread counts too).
+        self.recorder = Recorder()
+        self._rejected_seen: dict[str, int] = {}
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -152,6 +156,8 @@ class WorkerHalf:
                     break
                 self._lease_changed.wait(deadline - now)
         if outcome != GRANTED:
+            with self._lease_changed:
+                self.recorder.count(f"claim_refused:{outcome}")
             logger.warning("pd_connector: refused a claim from %s: %s", claim.engine_id, why)
             return Reject(reason=why)
         digest = b""
@@ -191,6 +197,7 @@ class WorkerHalf:
                 for note in notes:
                     self._leases.complete(note.decode(errors="replace"), now)
                 for request_id in self._leases.expire(now):
+                    self.recorder.count("lease_expired")
                     logger.warning(
                         "pd_connector: lease of %s expired without the decode instance "
                         "finishing its read; freeing its blocks",
@@ -202,6 +209,19 @@ class WorkerHalf:
             finished_recving=finished_recving | failed,
             failed_recving=failed,
         )
+
+    def take_stats(self) -> PDStats | None:
+        with self._lease_changed:
+            if self.server is not None:
+                for kind, n in dict(self.server.rejected).items():
+                    if n > self._rejected_seen.get(kind, 0):
+                        self.recorder.count(f"side_channel_rejected:{kind}", n - self._rejected_seen.get(kind, 0))
+                        self._rejected_seen[kind] = n
+            stats = self.recorder.interval
+            if self.receiver is not None:
+                stats.aggregate(self.receiver.recorder.interval)
+                self.receiver.recorder.interval.reset()
+            return stats.take()
 
     def shutdown(self) -> None:
         if self.server is not None:

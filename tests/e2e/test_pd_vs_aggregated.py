@@ -162,6 +162,24 @@ def test_chat_and_streaming_through_the_proxy_match_aggregated(stack):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref_text
 
 
+def test_metrics_are_exported_next_to_vllms(stack):
+    """Runs after the handoffs above: the vllm:pd_* series on both servers' /metrics moved."""
+    n = 50
+    prompt = random_prompt(n, seed=8)
+    stack.handoff(prompt, 2)
+    d, p = stack.decode, stack.prefill
+    assert d.metric("vllm:pd_transfer_seconds_count") >= 1
+    assert d.metric("vllm:pd_transfer_bytes_sum") > 0
+    assert d.metric("vllm:pd_descriptors_count") >= 1
+    assert d.metric("vllm:pd_recompute_tokens_count") >= 1
+    assert d.metric("vllm:pd_handshake_seconds_count") >= 1
+    assert d.metric("vllm:pd_events_total", {"event": "handoff_accepted"}) >= 1
+    assert d.metric("vllm:pd_events_total", {"event": "refused:missing_offset"}) >= 1
+    assert d.metric("vllm:pd_events_total", {"event": "load_failed:claim"}) >= 1
+    assert p.metric("vllm:pd_events_total", {"event": "handoff_offered"}) >= 1
+    assert p.metric("vllm:pd_events_total", {"event": "claim_refused:mismatch"}) >= 1
+
+
 def test_no_blocks_leak_after_handoffs(stack):
     """Runs after the tests above for each model: every lease was ended by D's notification or
     release (refusals included), so both instances are back to an empty KV cache."""

@@ -22,6 +22,7 @@ from pd_connector.protocol import (
     KEY_MIN_RECOMPUTE,
     KEY_REPLAY_OFFSET,
     KEY_VERSION,
+    MAX_BLOCK_ID,
     PROTOCOL_VERSION,
     HandoffParams,
 )
@@ -409,6 +410,8 @@ def test_offset_zero_is_accepted_as_empty_handoff():
         {"remote_block_ids": [[1, 0, 2]]},
         {"remote_block_ids": [[1], [-3]]},
         {"remote_block_ids": [[True]]},
+        {"remote_block_ids": [[MAX_BLOCK_ID + 1]]},
+        {"remote_block_ids": [[2**64]]},
         {"remote_block_ids": [1, 2]},
         {"remote_block_ids": None},
     ],
@@ -432,7 +435,9 @@ def p_source(draw, offset):
     if offset == 0:
         return []
     n_groups = draw(st.integers(1, 4))
-    return [draw(st.lists(st.integers(1, 2**31), min_size=1, max_size=8)) for _ in range(n_groups)]
+    # Real block ids: non-null and below protocol.MAX_BLOCK_ID (NIXL indices are int32).
+    ids = st.integers(1, MAX_BLOCK_ID - 1)
+    return [draw(st.lists(ids, min_size=1, max_size=8)) for _ in range(n_groups)]
 
 
 @FAST

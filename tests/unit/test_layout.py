@@ -18,7 +18,7 @@ from pd_connector.layout import (
 )
 from pd_connector.protocol import LayerRegion
 
-SETTINGS = settings(max_examples=400, deadline=None)
+SETTINGS = settings(max_examples=200, deadline=None)
 
 
 @st.composite
@@ -228,30 +228,20 @@ regions = st.builds(
 
 
 @SETTINGS
-@given(st.lists(regions, max_size=12))
-def test_region_offsets_are_prefix_sums(rs):
-    offs = region_offsets(rs)
+@given(st.lists(regions, max_size=12), st.integers(0, 7))
+def test_region_offsets_group_regions_and_strided_rows(rs, device):
+    # region_offsets: prefix sums of num_blocks.
     expected, acc = [], 0
     for r in rs:
         expected.append(acc)
         acc += r.num_blocks
-    assert offs.tolist() == expected
-    assert len(offs) == len(rs)
-
-
-@SETTINGS
-@given(st.lists(regions, max_size=12))
-def test_group_regions_partition_in_order(rs):
+    assert region_offsets(rs).tolist() == expected
+    # group_regions: a partition of the region indices, in region order per group.
     by_group = group_regions(rs)
-    seen = sorted(i for ix in by_group.values() for i in ix.tolist())
-    assert seen == list(range(len(rs)))
+    assert sorted(i for ix in by_group.values() for i in ix.tolist()) == list(range(len(rs)))
     for g, ix in by_group.items():
         assert ix.tolist() == [i for i, r in enumerate(rs) if r.group == g]
-
-
-@SETTINGS
-@given(st.lists(regions, max_size=12), st.integers(0, 7))
-def test_strided_descriptors_one_row_per_region(rs, device):
+    # strided_descriptors: one (addr, len, device, stride, count) row per region.
     rows = strided_descriptors(rs, device)
     assert rows.shape == (len(rs), 5)
     for row, r in zip(rows.tolist(), rs):

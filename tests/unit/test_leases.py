@@ -322,7 +322,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 LeaseMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None
+    max_examples=150, stateful_step_count=30, deadline=None
 )
 TestLeaseInterleavings = LeaseMachine.TestCase
 

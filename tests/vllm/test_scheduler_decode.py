@@ -77,7 +77,7 @@ def test_d_refuses_tampered_params_and_prefills_locally(model_dir, tamper):
     assert out.num_scheduled_tokens == {req.request_id: n}, "full local prefill"
     assert not out.kv_connector_metadata.to_recv
     stats = connector_half(d).stats
-    assert sum(v for k, v in stats.items() if k.startswith("refused_")) == 1
+    assert sum(v for k, v in stats.items() if k.startswith("refused:")) == 1
 
 
 def test_d_refusal_releases_p_blocks_when_params_decode(model_dir):
@@ -98,7 +98,7 @@ def test_d_refuses_an_offset_above_its_own_requirement(model_dir):
     half = connector_half(d)
     half.profile = type(half.profile)(has_recurrent_state=True, prefill_lookahead=4)
     _, out = admit(d, prompt, params)
-    assert half.stats["refused_offset_above_requirement"] == 1
+    assert half.stats["refused:offset_above_requirement"] == 1
     assert list(out.num_scheduled_tokens.values()) == [40]
 
 
@@ -171,5 +171,5 @@ def test_d_mismatched_group_count_is_refused(model_dir):
     params = p_params(model_dir, prompt, ("attention",))
     d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
     _, out = admit(d, prompt, params)
-    assert connector_half(d).stats["refused_group_mismatch"] == 1
+    assert connector_half(d).stats["refused:group_mismatch"] == 1
     assert list(out.num_scheduled_tokens.values()) == [40]
