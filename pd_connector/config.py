@@ -36,8 +36,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # P sends a SHA-256 of the recurrent-state pages with each claim grant; D recomputes it
     # after the READ and recomputes the prompt on a mismatch. Costs a read of the state pages.
     verify_state_digest: bool = False
-    # How long P's side channel waits for a lease that is still on its way from the scheduler
-    # (the claim can overtake it by an engine step).
+    # How long D keeps re-asking P for a lease that is still on its way from P's scheduler to
+    # its worker (D's claim can overtake it by an engine step).
     claim_wait_seconds: float = 5.0
 
     # Filled by parse_settings from the file or the environment; excluded from repr.

@@ -212,6 +212,13 @@ class Granted(msgspec.Struct, tag="granted", frozen=True):
     state_digest: bytes = b""
 
 
+class Pending(msgspec.Struct, tag="pending", frozen=True):
+    """P -> D: no lease for that request *yet* (its grant travels with P's next engine step);
+    ask again shortly. Keeps P's side-channel thread from ever waiting on one peer."""
+
+    reason: str
+
+
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     pass
 
@@ -222,7 +229,7 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     reason: str
 
 
-Message = Hello | Welcome | Release | Claim | Extend | Granted | Ack | Reject
+Message = Hello | Welcome | Release | Claim | Extend | Granted | Pending | Ack | Reject
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

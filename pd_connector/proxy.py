@@ -90,11 +90,17 @@ def build_decode_body(body: dict, kv_params: dict | None) -> dict:
 
 
 class UpstreamError(Exception):
-    """An upstream (P or D) did not answer usefully; carries what the client should see."""
+    """An upstream (P or D) did not answer usefully; carries what the client should see.
 
-    def __init__(self, role: str, url: str, status: int, reason: str):
+    ``unreachable``: a request error (connection refused/reset, timeout) that marks the upstream
+    unhealthy. ``retryable``: worth another prefill attempt (request errors and 5xx).
+    """
+
+    def __init__(self, role: str, url: str, status: int, reason: str, *,
+                 retryable: bool = False, unreachable: bool = False):
         super().__init__(f"{role} instance {url} failed: {reason}")
         self.role, self.url, self.status, self.reason = role, url, status, reason
+        self.retryable, self.unreachable = retryable or unreachable, unreachable
 
     def response(self, request_id: str) -> web.Response:
         return _error_response(
@@ -104,6 +110,18 @@ class UpstreamError(Exception):
             upstream=self.url,
             request_id=request_id,
         )
+
+
+class UpstreamRejected(Exception):
+    """P answered 4xx: the client's request is at fault; relayed as is, never retried."""
+
+    def __init__(self, url: str, status: int, raw: bytes, content_type: str | None):
+        super().__init__(f"prefill instance {url} answered HTTP {status}")
+        self.url, self.status, self.raw, self.content_type = url, status, raw, content_type
+
+    def response(self, request_id: str) -> web.Response:
+        return web.Response(body=self.raw, status=self.status, headers={
+            "Content-Type": self.content_type or "application/json", "X-Request-Id": request_id})
 
 
 def _error_response(status: int, message: str, etype: str, **extra: Any) -> web.Response:

@@ -30,6 +30,7 @@ from pd_connector.protocol import (
     Extend,
     Granted,
     Hello,
+    Pending,
     Reject,
     Release,
     Welcome,
@@ -50,6 +51,10 @@ class _Read:
     nbytes: int
 
 
+def _release_of(task: RecvTask) -> ReleaseTask:
+    return ReleaseTask(task.remote_engine_id, task.remote_host, task.remote_port, task.remote_request_id)
+
+
 class Receiver:
     def __init__(
         self,
@@ -68,7 +73,9 @@ class Receiver:
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:
             self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-side-channel")
+        # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
+        # waits for its grant does not hold up the others.
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-side-channel")
         self._handshakes: dict[str, Future] = {}
         self._peer_errors: dict[str, str] = {}
         self._waiting: dict[str, RecvTask] = {}
@@ -155,7 +162,7 @@ class Receiver:
                 local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
                 if local_idx.size == 0:
                     # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
-                    self.release(ReleaseTask(task.remote_engine_id, task.remote_host, task.remote_port, task.remote_request_id))
+                    self.release(_release_of(task))
                     self.finished.add(request_id)
                     continue
                 handle = self.transport.read(
@@ -163,6 +170,7 @@ class Receiver:
                 )
             except Exception as exc:
                 self._fail(request_id, str(exc), "post")
+                self.release(_release_of(task))  # nothing will be read: P may free now
                 continue
             nbytes = sum(len(pairs) * self._group_page_bytes.get(g, 0) for g, pairs in enumerate(task.pairs))
             self._reads[request_id] = _Read(
@@ -178,6 +186,7 @@ class Receiver:
             del self._reads[request_id]
             if state == FAILED:
                 self._fail(request_id, "NIXL reported the READ failed", "nixl")
+                self.release(_release_of(read.task))  # no completion notification will come
             elif read.digest and self._state_digest is not None and (
                 self._state_digest([[d for _, d in g] for g in read.task.pairs]) != read.digest
             ):
@@ -233,15 +242,19 @@ class Receiver:
         return reply, time.monotonic() - started
 
     def _claim(self, task: RecvTask) -> Granted:
-        reply = self._call(
-            task,
-            Claim(
-                engine_id=self.engine_id,
-                request_id=task.remote_request_id,
-                replay_offset=task.replay_offset,
-                block_ids=task.remote_block_ids or [],
-            ),
+        claim = Claim(
+            engine_id=self.engine_id,
+            request_id=task.remote_request_id,
+            replay_offset=task.replay_offset,
+            block_ids=task.remote_block_ids or [],
         )
+        deadline = time.monotonic() + self.settings.claim_wait_seconds
+        delay = 0.005
+        while isinstance(reply := self._call(task, claim), Pending) and time.monotonic() < deadline:
+            time.sleep(delay)  # P's grant is one engine step behind the router
+            delay = min(delay * 2, 0.2)
+        if isinstance(reply, Pending):
+            raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
         if isinstance(reply, Reject):
             raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
         if not isinstance(reply, Granted):

@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector")
 
-# Private keys we keep in the request's own kv_transfer_params dict (vLLM hands connectors the
-# same dict object for the request's lifetime, vllm/v1/request.py).
-_P_OFFSET = "_pd_replay_offset"
-
 # Test-only fault injection (PD_CONNECTOR_FAULT_INJECTION=1 on D): a request whose params carry
 # this key resumes that many tokens away from P's offset while still claiming P's real lease,
 # i.e. the silent desync of vLLM's implicit rule. The e2e negative controls use it to prove the
@@ -55,6 +51,9 @@ class SchedulerHalf:
         self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
+        # P: the offset chosen for each request in flight. Kept here, not in the request's
+        # kv_transfer_params, which the client controls.
+        self._p_offsets: dict[str, int] = {}
         # Per-step outboxes, drained by build_connector_meta.
         self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
@@ -124,7 +123,7 @@ class SchedulerHalf:
     # -- P ---------------------------------------------------------------------------------
 
     def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
-        if _P_OFFSET in params:
+        if request.request_id in self._p_offsets:
             return  # already truncated (preempted and re-added)
         requested = params.get(KEY_MIN_RECOMPUTE, 0)
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
@@ -140,7 +139,7 @@ class SchedulerHalf:
         if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
             # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
             offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
-        params[_P_OFFSET] = offset
+        self._p_offsets[request.request_id] = offset
         if offset > 0:
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
@@ -153,9 +152,9 @@ class SchedulerHalf:
     def _finish_prefill(
         self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        offset = self._p_offsets.pop(request.request_id, 0)
         if request.status.name not in _FINISHED_OK:
             return False, None  # aborted or errored: nothing to hand over
-        offset = params.get(_P_OFFSET, 0)
         if offset and request.num_computed_tokens != offset:
             # The state in the Mamba slot is the state after num_computed_tokens; handing it
             # over as the state at `offset` would be the silent desync this project prevents.

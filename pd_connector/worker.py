@@ -33,6 +33,7 @@ from pd_connector.protocol import (
     Granted,
     Hello,
     Message,
+    Pending,
     Reject,
     Release,
     Welcome,
@@ -63,7 +64,7 @@ class WorkerHalf:
         self._digester: PageDigester | None = None
         # P side: the lease table is shared with the side-channel thread.
         self._leases = LeaseTable()
-        self._lease_changed = threading.Condition()
+        self._lease_lock = threading.Lock()
         # P-side events; written under _lease_changed (the side-channel thread counts too).
         self.recorder = Recorder()
         self._rejected_seen: dict[str, int] = {}
@@ -127,36 +128,31 @@ class WorkerHalf:
             return self._serve_claim(message)
         if isinstance(message, Extend):
             now = time.monotonic()
-            with self._lease_changed:
+            with self._lease_lock:
                 for request_id in message.request_ids:
                     self._leases.extend(request_id, now, now + self.settings.lease_seconds)
             return Ack()
         if isinstance(message, Release):
             now = time.monotonic()
-            with self._lease_changed:
+            with self._lease_lock:
                 for request_id in message.request_ids:
                     self._leases.complete(request_id, now)
             return Ack()
         return Reject(reason=f"unexpected message {type(message).__name__}")
 
     def _serve_claim(self, claim: Claim) -> Message:
-        # The grant travels with the next engine step's metadata; a claim can overtake it.
-        deadline = time.monotonic() + self.settings.claim_wait_seconds
-        with self._lease_changed:
-            while True:
-                now = time.monotonic()
-                outcome, why = self._leases.claim(
-                    claim.request_id,
-                    claim.replay_offset,
-                    claim.block_ids,
-                    now,
-                    now + self.settings.lease_seconds,
-                )
-                if outcome != UNKNOWN or now >= deadline:
-                    break
-                self._lease_changed.wait(deadline - now)
+        now = time.monotonic()
+        with self._lease_lock:
+            outcome, why = self._leases.claim(
+                claim.request_id, claim.replay_offset, claim.block_ids, now, now + self.settings.lease_seconds
+            )
+        if outcome == UNKNOWN:
+            # The grant travels with the next engine step's metadata and a claim can overtake
+            # it; D asks again for up to claim_wait_seconds. Never wait here: this thread
+            # serves every peer.
+            return Pending(reason=why)
         if outcome != GRANTED:
-            with self._lease_changed:
+            with self._lease_lock:
                 self.recorder.count(f"claim_refused:{outcome}")
             logger.warning("pd_connector: refused a claim from %s: %s", claim.engine_id, why)
             return Reject(reason=why)
@@ -169,10 +165,9 @@ class WorkerHalf:
 
     def start_load_kv(self, meta: PDMetadata) -> None:
         if meta.to_send:
-            with self._lease_changed:
+            with self._lease_lock:
                 for request_id, lease in meta.to_send.items():
                     self._leases.grant(request_id, lease.deadline, lease.offset, lease.block_ids)
-                self._lease_changed.notify_all()
         assert self.receiver is not None or not (meta.to_recv or meta.to_release or meta.to_extend)
         for request_id, task in meta.to_recv.items():
             self.receiver.add(request_id, task)
@@ -193,7 +188,7 @@ class WorkerHalf:
         if self.is_producer and self.transport is not None:
             notes = self.transport.take_notifications()
             now = time.monotonic()
-            with self._lease_changed:
+            with self._lease_lock:
                 for note in notes:
                     self._leases.complete(note.decode(errors="replace"), now)
                 for request_id in self._leases.expire(now):
@@ -211,7 +206,7 @@ class WorkerHalf:
         )
 
     def take_stats(self) -> PDStats | None:
-        with self._lease_changed:
+        with self._lease_lock:
             if self.server is not None:
                 for kind, n in dict(self.server.rejected).items():
                     if n > self._rejected_seen.get(kind, 0):

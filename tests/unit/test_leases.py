@@ -86,7 +86,11 @@ def test_completion_after_expiry_is_not_remembered_as_early():
     t.grant("a", deadline=10.0)
     assert t.expire(10.0) == ["a"]
     assert t.complete("a", now=11.0) is False
-    assert t._early == {}  # noqa: SLF001 - a late completion must not linger as "early"
+    t.take_finished()
+    # Had the late completion been remembered as "early", a later grant under the same id
+    # would be settled at once instead of leasing its blocks.
+    t.grant("a", deadline=50.0)
+    assert t.holds("a") and t.take_finished() == set()
 
 
 def test_duplicate_completion_finishes_once():
@@ -322,12 +326,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 LeaseMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=30, deadline=None
+    max_examples=100, stateful_step_count=30, deadline=None
 )
 TestLeaseInterleavings = LeaseMachine.TestCase
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["grant", "complete", "expire", "take"]), ids, st.floats(0, 500)),
