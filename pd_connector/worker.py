@@ -107,7 +107,7 @@ class WorkerHalf:
                 "pd_connector: side channel listening on %s:%d (%s)",
                 self.settings.side_channel_host,
                 self.settings.side_channel_port,
-                "authenticated" if self.settings.shared_secret else "unauthenticated",
+                "authenticated" if self.settings.secret else "unauthenticated",
             )
 
     # -- P: side-channel thread ----------------------------------------------------------------

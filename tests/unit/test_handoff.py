@@ -1,6 +1,6 @@
 """Pure tests of pd_connector.handoff: P's choice of the replay offset and D's validation.
 
-No vLLM, NIXL, torch or sockets. Background: docs/reference "vllm-pd-internals" sections 3.1
+No vLLM, NIXL, torch or sockets. Background: /work/shared/reference/vllm-pd-internals.md, 3.1
 (vLLM 0.32's implicit backoff rule) and 4.3 (replay boundaries).
 """
 
@@ -276,7 +276,7 @@ junk = st.recursive(
         st.tuples(children, children),
         st.dictionaries(st.one_of(st.text(max_size=6), st.integers()), children, max_size=4),
     ),
-    max_leaves=20,
+    max_leaves=15,
 )
 known_keys = st.sampled_from(
     list(HandoffParams.__struct_fields__) + ["remote_blocks_expiry_time", "tp_size", KEY_MIN_RECOMPUTE]
@@ -296,7 +296,7 @@ def tampered_params(draw):
     return raw
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.one_of(junk, st.dictionaries(st.text(max_size=20), junk, max_size=6), tampered_params()),
     st.integers(-5, 1000),
@@ -314,6 +314,29 @@ def test_decide_never_raises_on_junk(raw, n, profile):
     assert decision.offset == 0 or n - decision.offset >= min_recompute_tokens(profile)
     assert decision.params.replay_offset == decision.offset
     assert decision.params.remote_num_tokens in (None, decision.offset)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="protocol.decode_handoff_params formats the bad version with {version!r}; a deeply "
+    "nested value (5000 levels) makes repr() raise RecursionError, so decide_on_decode raises "
+    "instead of refusing (needs a Python caller: json.loads cannot build it)",
+)
+def test_decide_never_raises_on_deeply_nested_version():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    d = decide_on_decode(valid_params(**{KEY_VERSION: deep}), 100, RecomputeProfile())
+    assert isinstance(d, Refused) and d.kind == "version_mismatch"
+
+
+def test_decide_refuses_deeply_nested_fields():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    for key in ("remote_block_ids", "remote_host", "remote_num_tokens", KEY_REPLAY_OFFSET):
+        d = decide_on_decode(valid_params(**{key: deep}), 100, RecomputeProfile())
+        assert isinstance(d, Refused) and d.kind == "malformed", key
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from pd_connector.pairing import (
     select_source_blocks,
 )
 
-SETTINGS = settings(max_examples=400, deadline=None)
+SETTINGS = settings(max_examples=300, deadline=None)
 FEWER = settings(max_examples=200, deadline=None)
 
 block_sizes = st.one_of(
