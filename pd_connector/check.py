@@ -236,6 +236,11 @@ def run_check(
                 f"{role} at {url} is not reachable ({health.error}): check that its vLLM server "
                 "is running and the URL (host and --port) is right")
             continue
+        if isinstance(health.data, dict) and {"prefill", "decode"} <= health.data.keys():
+            rep.problems.append(
+                f"{role} URL {url} is a pd-connector proxy, not a vLLM server: pass the P and D "
+                "servers' own URLs to check")
+            continue
         if health.status != 200:
             rep.problems.append(
                 f"{role} at {url} answered /health with HTTP {health.status}: its engine is not "
@@ -285,6 +290,7 @@ def run_check(
         rep.problems.append(f"P failed the prefill request ({p_ans.message()})")
     else:
         rep.p_ms = p_ans.elapsed_s * 1e3
+        rep.info.append(f"P: prefill of {prompt_tokens} tokens in {_fmt_ms(rep.p_ms)}")
         raw = p_ans.data.get("kv_transfer_params") if isinstance(p_ans.data, dict) else None
         params = raw if isinstance(raw, dict) and raw else None
         rep.kv_params = params
@@ -324,11 +330,14 @@ def run_check(
         if plain is None:
             rep.problems.append(f"D's answer is not a completion: {ans.text[:200]}")
 
-    if rep.d_ms_handoff is not None or rep.d_ms_plain is not None:
+    if rep.d_ms_handoff is not None:
         rep.info.append(
-            f"D latency: {_fmt_ms(rep.d_ms_handoff)} with the handoff, {_fmt_ms(rep.d_ms_plain)} "
-            f"computing the prompt itself ({MAX_TOKENS} tokens; the first handoff from a P also "
-            "includes the side-channel handshake, run check again for a warm number)")
+            f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_handoff)} with the handoff, "
+            f"{_fmt_ms(rep.d_ms_plain)} computing the prompt itself (a P's first handoff "
+            "includes the side-channel handshake: run check again for a warm number)")
+    elif rep.d_ms_plain is not None:
+        rep.info.append(f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_plain)} computing the "
+                        "prompt itself (no handoff to compare)")
     if handoff is not None and plain is not None:
         _compare(rep, handoff, plain)
     return rep
@@ -361,9 +370,8 @@ def _check_params(rep: CheckReport, params: dict | None, p_url: str, d_url: str,
     if isinstance(blocks, list) and all(isinstance(g, list) for g in blocks):
         rep.blocks_per_group = [len(g) for g in blocks]
     rep.info.append(
-        f"P: prefill of {n} tokens in {_fmt_ms(rep.p_ms)}; replay_offset {offset}, D recomputes "
-        f"{n - offset} token(s); blocks per KV-cache group {rep.blocks_per_group}; protocol "
-        f"version {version}")
+        f"P: replay_offset {offset}, D recomputes {n - offset} token(s); blocks per KV-cache "
+        f"group {rep.blocks_per_group}; protocol version {version}")
     if offset <= 0:
         rep.problems.append(
             f"P handed nothing over (replay_offset {offset}): the {n}-token prompt is shorter than "

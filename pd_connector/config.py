@@ -6,6 +6,7 @@ start-up with a message naming the key, instead of being silently ignored.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -50,12 +51,15 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port={self.side_channel_port} is not a TCP port")
-        if self.lease_seconds <= 0:
-            raise ValueError(f"lease_seconds must be positive, got {self.lease_seconds}")
-        if self.handshake_timeout_seconds <= 0:
-            raise ValueError("handshake_timeout_seconds must be positive")
-        if not self.nixl_backends:
-            raise ValueError("nixl_backends must name at least one NIXL backend")
+        for name in ("lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds"):
+            value = getattr(self, name)
+            # `not value > 0` also refuses NaN, which would make every deadline comparison false.
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        if self.nixl_num_threads < 0:
+            raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
+        if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):
+            raise ValueError(f"nixl_backends must name NIXL backends, got {self.nixl_backends}")
 
 
 ENV_PREFIX = "PD_CONNECTOR_"
@@ -65,28 +69,39 @@ SECRET_ENV = ENV_PREFIX + "SHARED_SECRET"
 
 
 def parse_settings(extra_config: dict[str, Any] | None, environ=os.environ) -> ConnectorSettings:
-    """Settings from ``kv_connector_extra_config``, then ``PD_CONNECTOR_<KEY>`` environment
-    variables for keys the config leaves out, then defaults."""
+    """Settings from ``kv_connector_extra_config`` (typed JSON: strict types), then
+    ``PD_CONNECTOR_<KEY>`` environment variables (strings, converted) for keys the config leaves
+    out, then defaults."""
     raw = dict(extra_config or {})
     if "shared_secret" in raw or "_secret" in raw:
         raise ValueError(
             "pd_connector: do not put the shared secret in kv_connector_extra_config (vLLM logs "
             f"it at start-up); set {SECRET_ENV} or shared_secret_file instead"
         )
-    for field in ConnectorSettings.__struct_fields__:
-        if field == "secret":
-            continue
+    known = [f for f in ConnectorSettings.__struct_fields__ if f != "secret"]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(
+            f"pd_connector: unknown kv_connector_extra_config key(s) {unknown}. Known keys: {', '.join(known)}"
+        )
+    types = {f.name: f.type for f in msgspec.structs.fields(ConnectorSettings)}
+    for field in known:
         env = environ.get(ENV_PREFIX + field.upper())
-        if field not in raw and env is not None:
-            raw[field] = env.split(",") if field == "nixl_backends" else env
+        if field in raw or env is None:
+            continue
+        value: Any = [b.strip() for b in env.split(",")] if field == "nixl_backends" else env
+        try:
+            raw[field] = msgspec.convert(value, types[field], strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"pd_connector: invalid {ENV_PREFIX}{field.upper()}={env!r}: {exc}") from None
+    if not isinstance(raw.get("shared_secret_file", ""), str):
+        raise ValueError("pd_connector: invalid kv_connector_extra_config: shared_secret_file must be a path string")
     raw["_secret"] = _read_secret(raw.get("shared_secret_file", ""), environ)
     try:
-        # strict=False: environment values are strings ("5660" -> 5660).
-        return msgspec.convert(raw, ConnectorSettings, strict=False)
+        return msgspec.convert(raw, ConnectorSettings, strict=True)
     except (msgspec.ValidationError, ValueError) as exc:
-        known = ", ".join(f for f in ConnectorSettings.__struct_fields__ if f != "secret")
         raise ValueError(
-            f"pd_connector: invalid kv_connector_extra_config: {exc}. Known keys: {known}"
+            f"pd_connector: invalid kv_connector_extra_config: {exc}. Known keys: {', '.join(known)}"
         ) from None
 
 

@@ -46,6 +46,9 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     # tokens; an offset on the grid lets the receiving engine register the state where its own
     # cache manager will look for it. 0 = no grid.
     replay_grid: int = 0
+    # EAGLE-family drafting with prefix caching: vLLM checkpoints Mamba state one grid unit
+    # earlier (get_mamba_prefill_checkpoint_position: floor(N/u)*u - u, "the EAGLE drop").
+    eagle_drop: bool = False
 
 
 def min_recompute_tokens(profile: RecomputeProfile) -> int:
@@ -73,8 +76,11 @@ def choose_replay_offset(
         return 0
     tail = max(min_recompute_tokens(profile), max(0, requested_min_recompute))
     offset = num_prompt_tokens - tail
-    if profile.replay_grid > 0:
-        offset -= offset % profile.replay_grid
+    grid = profile.replay_grid
+    if grid > 0:
+        offset -= offset % grid
+        if profile.eagle_drop:
+            offset = min(offset, num_prompt_tokens // grid * grid - grid)
     return max(0, offset)
 
 

@@ -8,7 +8,7 @@ Invariants (property-tested in tests/unit/test_pairing.py):
 - Attention-type groups pair *by token position*: P's block holding tokens [i*B, (i+1)*B) feeds
   D's block for the same tokens, for the blocks D did not already hit in its own prefix cache.
 - Each Mamba group ships exactly one slot, the state after ``offset`` tokens, into the slot D
-  resumes from. An end-trim is never written as ``lst[-n:]`` (``lst[-0:]`` is the whole list).
+  resumes from. Trims are written as forward slices: ``lst[-n:]`` is the whole list for n = 0.
 """
 
 from __future__ import annotations
@@ -46,15 +46,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tail(ids: list[int], n: int) -> list[int]:
-    """The last ``n`` entries; ``n == 0`` gives [] (unlike ``ids[-0:]``)."""
-    return ids[len(ids) - n :] if n > 0 else []
-
-
-def _window_blocks(layout: GroupLayout, offset: int) -> int:
-    """Blocks a sliding-window group needs to resume at ``offset``: the window ending at the
-    last handed-over token may start mid-block, hence the +1."""
-    return min(cdiv(offset, layout.block_size), cdiv(layout.sliding_window, layout.block_size) + 1)
+def window_first_block(layout: GroupLayout, offset: int) -> int:
+    """First block a sliding-window group still needs to resume at ``offset``: the window of
+    token ``offset`` covers tokens [offset - W + 1, offset]. vLLM nulls the blocks before it
+    (SlidingWindowManager.get_num_skipped_tokens) before the table reaches the connector."""
+    return max(0, offset - layout.sliding_window + 1) // layout.block_size
 
 
 def mamba_state_slot(layout: GroupLayout, ids: list[int]) -> int | None:
@@ -100,7 +96,7 @@ def select_source_blocks(
             )
         blocks = list(ids[:n])
         if layout.kind == SLIDING_WINDOW:
-            blocks = _tail(blocks, _window_blocks(layout, offset))
+            blocks = blocks[window_first_block(layout, offset) :]
         if NULL_BLOCK in blocks:
             raise PairingError(f"group {group}: null block among the blocks to send {blocks}")
         out.append(blocks)
@@ -138,21 +134,19 @@ def pair_blocks(
             raise PairingError(
                 f"group {group}: D allocated {len(local)} blocks for {offset} tokens"
             )
-        first_needed = local_hit // layout.block_size
-        expected = n if layout.kind == ATTENTION else _window_blocks(layout, offset)
-        if len(remote) != expected:
+        if any(b <= NULL_BLOCK for b in remote):
+            raise PairingError(f"group {group}: P sent a null or negative block id: {remote}")
+        # Position of remote[0] in the token sequence (sliding windows send only the window).
+        base = window_first_block(layout, offset) if layout.kind == SLIDING_WINDOW else 0
+        if len(remote) != n - base:
             raise PairingError(
-                f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {expected}"
+                f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {n - base}"
             )
-        # Position of remote[0] in the token sequence (sliding windows send only the tail).
-        base = n - len(remote)
         group_pairs = []
-        for pos in range(max(first_needed, base), n):
-            d_block = local[pos]
-            if d_block == NULL_BLOCK:
-                # D's window does not need this position (sliding window skipped it).
-                continue
-            group_pairs.append((remote[pos - base], d_block))
+        for pos in range(max(local_hit // layout.block_size, base), n):
+            if local[pos] == NULL_BLOCK:
+                raise PairingError(f"group {group}: D's block table has a null at {pos}: {local}")
+            group_pairs.append((remote[pos - base], local[pos]))
         pairs.append(group_pairs)
     return pairs
 
@@ -160,7 +154,7 @@ def pair_blocks(
 def _pair_mamba(
     group: int, layout: GroupLayout, remote: list[int], local: list[int]
 ) -> list[tuple[int, int]]:
-    if len(remote) != 1:
+    if len(remote) != 1 or remote[0] <= NULL_BLOCK:
         raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
     slot = mamba_state_slot(layout, local)
     if slot is None:

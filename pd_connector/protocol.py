@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import reprlib
 
 import msgspec
 
@@ -71,7 +72,7 @@ def decode_handoff_params(raw: object) -> HandoffParams:
     if version != PROTOCOL_VERSION or isinstance(version, bool):
         raise ProtocolError(
             "version_mismatch",
-            f"{KEY_VERSION}={version!r} but this instance speaks protocol "
+            f"{KEY_VERSION}={reprlib.repr(version)} but this instance speaks protocol "
             f"{PROTOCOL_VERSION}; upgrade the older side",
         )
     known = {k: raw[k] for k in HandoffParams.__struct_fields__ if k in raw}
@@ -79,8 +80,33 @@ def decode_handoff_params(raw: object) -> HandoffParams:
         params = msgspec.convert(known, HandoffParams, strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError("malformed", f"kv_transfer_params: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "kv_transfer_params nested too deeply") from None
     _check_ranges(params)
     return params
+
+
+class ReleaseTarget(msgspec.Struct, frozen=True):
+    """Where to tell a P that D will not read a request (best effort)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+
+
+def release_target(raw: object) -> ReleaseTarget | None:
+    """The P to release, from params too broken to decode as a whole (wrong version, bad
+    offset...), so P frees the blocks now rather than at lease expiry. None if unusable."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        target = msgspec.convert(
+            {k: raw.get(k) for k in ReleaseTarget.__struct_fields__}, ReleaseTarget, strict=True
+        )
+    except (msgspec.ValidationError, RecursionError):
+        return None
+    return target if 0 < target.remote_port < 65536 and target.remote_host else None
 
 
 def _check_ranges(params: HandoffParams) -> None:
@@ -268,6 +294,8 @@ def decode_message(data: bytes, secret: bytes = b"") -> Message:
         envelope = _envelope_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError("malformed", f"side-channel frame: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "side-channel frame nested too deeply") from None
     if envelope.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(
             "version_mismatch",
@@ -283,3 +311,5 @@ def decode_message(data: bytes, secret: bytes = b"") -> Message:
         return _message_decoder.decode(envelope.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError("malformed", f"side-channel message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "side-channel message nested too deeply") from None

@@ -130,10 +130,11 @@ class UpstreamError(Exception):
     """
 
     def __init__(self, role: str, url: str, status: int, reason: str, *,
-                 retryable: bool = False, unreachable: bool = False):
+                 retryable: bool = False, unreachable: bool = False, timed_out: bool = False):
         super().__init__(f"{role} instance {url} failed: {reason}")
         self.role, self.url, self.status, self.reason = role, url, status, reason
-        self.retryable, self.unreachable = retryable or unreachable, unreachable
+        self.unreachable = unreachable or timed_out
+        self.retryable, self.timed_out = retryable or self.unreachable, timed_out
 
     def response(self, request_id: str) -> web.Response:
         return _error_response(
@@ -210,7 +211,7 @@ async def _prefill(
             return data
     except asyncio.TimeoutError as e:
         raise UpstreamError(
-            "prefill", url, 504, f"timed out after {timeout:g} s", unreachable=True) from e
+            "prefill", url, 504, f"timed out after {timeout:g} s", timed_out=True) from e
     except aiohttp.ClientError as e:
         raise UpstreamError(
             "prefill", url, 502, f"{type(e).__name__}: {e}", unreachable=True) from e
@@ -221,7 +222,8 @@ async def _prefill_with_retries(
     log: dict,
 ) -> dict:
     """Prefill on one P; after a connection error, timeout or 5xx, again on another P (up to
-    ``prefill_retries`` more times, a different instance each time while one is left)."""
+    ``prefill_retries`` more times, a different instance each time while one is left; after that
+    the same ones again, except after a timeout)."""
     tried: list[str] = []
     for attempt in range(st.prefill_retries + 1):
         up = st.prefill.select(exclude=tried)
@@ -238,6 +240,9 @@ async def _prefill_with_retries(
                 st.prefill.mark_unhealthy(up, e.reason)
             if not e.retryable or attempt == st.prefill_retries:
                 raise
+            if e.timed_out and len(set(tried)) >= len(st.prefill):
+                raise  # a timeout is retried only on a P not tried yet: never wait twice as long
+
             st.metrics.prefill_retries += 1
             log["p_retries"] = attempt + 1
             logger.warning("request %s: prefill on %s failed (%s); retrying",
@@ -416,9 +421,8 @@ async def _decode(
     )
     t1 = time.monotonic()
 
-    def failed(err: UpstreamError, mark: bool) -> tuple[web.StreamResponse, str]:
-        if mark:
-            st.decode.mark_unhealthy(up, err.reason)
+    def failed(err: UpstreamError) -> tuple[web.StreamResponse, str]:
+        st.decode.mark_unhealthy(up, err.reason)
         log.update(d_status=err.status, d_ms=_ms(t1), d_error=err.reason)
         _log_request(log, logging.WARNING)
         return err.response(request_id), "decode_failed"
@@ -428,14 +432,13 @@ async def _decode(
             d_resp = await session.post(up.url + path, json=d_body, headers=headers,
                                         timeout=d_timeout)
         except asyncio.TimeoutError:
-            return failed(UpstreamError("decode", up.url, 504, f"timed out after {timeout:g} s"),
-                          mark=True)
+            return failed(UpstreamError("decode", up.url, 504, f"timed out after {timeout:g} s"))
         except aiohttp.ClientError as e:
             err = UpstreamError("decode", up.url, 502, f"{type(e).__name__}: {e}")
             if can_fall_back:
                 st.decode.mark_unhealthy(up, err.reason)
                 raise _DecodeNotStarted(err) from e
-            return failed(err, mark=True)
+            return failed(err)
         except asyncio.CancelledError:
             log.update(d_ms=_ms(t1), d_error="client disconnected, D aborted")
             _log_request(log, logging.WARNING)
@@ -471,12 +474,10 @@ async def _decode(
             _log_request(log, logging.WARNING)
             raise
         except asyncio.TimeoutError:
-            return failed(UpstreamError("decode", up.url, 504, f"timed out after {timeout:g} s"),
-                          mark=True)
+            return failed(UpstreamError("decode", up.url, 504, f"timed out after {timeout:g} s"))
         except aiohttp.ClientError as e:
             # Only reached before anything was sent to the client (the relay handles later errors).
-            return failed(UpstreamError("decode", up.url, 502, f"{type(e).__name__}: {e}"),
-                          mark=True)
+            return failed(UpstreamError("decode", up.url, 502, f"{type(e).__name__}: {e}"))
     log["d_ms"] = _ms(t1)
     _log_request(log, logging.INFO if outcome == "ok" else logging.WARNING)
     return out, outcome
@@ -515,7 +516,7 @@ async def _handle_models(request: web.Request) -> web.Response:
         try:
             async with request.app[_SESSION].get(
                 up.url + "/v1/models", headers=_upstream_headers(request, request_id),
-                timeout=aiohttp.ClientTimeout(total=st.health_timeout),
+                timeout=aiohttp.ClientTimeout(total=min(st.timeout, 30.0)),
             ) as resp:
                 raw = await resp.read()
                 return web.Response(body=raw, status=resp.status, headers={

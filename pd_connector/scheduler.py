@@ -24,7 +24,13 @@ from pd_connector import handoff, pairing
 from pd_connector.config import ConnectorSettings
 from pd_connector.metrics import Recorder
 from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease
-from pd_connector.protocol import KEY_MIN_RECOMPUTE, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
+from pd_connector.protocol import (
+    KEY_MIN_RECOMPUTE,
+    KEY_REPLAY_OFFSET,
+    KEY_VERSION,
+    PROTOCOL_VERSION,
+    release_target,
+)
 from pd_connector.vllm_compat import layouts_from_kv_cache_config, profile_from_vllm
 
 if TYPE_CHECKING:
@@ -213,8 +219,9 @@ class SchedulerHalf:
                 decision.kind,
                 decision.reason,
             )
-            if decision.params is not None:
-                self._queue_release(decision.params)
+            target = decision.params if decision.params is not None else release_target(params)
+            if target is not None:
+                self._queue_release(target)
             return
         if decision.offset == 0:
             self.recorder.count("handoff_empty")

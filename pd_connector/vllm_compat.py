@@ -31,8 +31,11 @@ def _spec_kind(spec: Any) -> tuple[str, int]:
     if isinstance(spec, SlidingWindowSpec):
         return SLIDING_WINDOW, spec.sliding_window
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        # Chunked-local attention frees blocks behind the chunk like a window of that size.
-        return SLIDING_WINDOW, spec.attention_chunk_size
+        # Its blocks are freed per chunk, not per window: the sliding-window pairing would ship
+        # blocks vLLM already nulled. Refuse rather than fail every handoff at run time.
+        raise UnsupportedConfig(
+            "pd_connector does not support chunked local attention (e.g. Llama 4) yet"
+        )
     if isinstance(spec, FullAttentionSpec):
         return ATTENTION, 0
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -41,7 +44,7 @@ def _spec_kind(spec: Any) -> tuple[str, int]:
             return kinds.pop()
     raise UnsupportedConfig(
         f"pd_connector does not support KV-cache spec {type(spec).__name__} yet "
-        "(supported: full attention, sliding window, chunked local, Mamba/SSM/GDN)"
+        "(supported: full attention, sliding window, Mamba/SSM/GDN)"
     )
 
 
@@ -73,11 +76,13 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         # D's cache manager registers the state where it will look for it later.
         grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
     replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
+    spec_config = vllm_config.speculative_config
     return RecomputeProfile(
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
         bounded_replay_tokens=int(replay),
         replay_grid=grid,
+        eagle_drop=bool(grid and spec_config is not None and spec_config.use_eagle()),
     )
 
 
