@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pd_connector.protocol import KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
+from pd_connector.protocol import PREFILL_REQUEST_PARAMS, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
 
 logger = logging.getLogger("pd_connector.check")
 
@@ -43,16 +43,7 @@ TIE_MARGIN = 0.02
 # How long to wait for D's Prometheus counters to show the handoff (vLLM updates them per step).
 METRICS_WAIT_S = 3.0
 
-# Same as pd_connector.proxy.PREFILL_KV_PARAMS (a test keeps them equal); copied so that this
-# command needs no aiohttp.
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV_PARAMS = PREFILL_REQUEST_PARAMS
 _PRODUCER_CONFIG = ('--kv-transfer-config \'{"kv_connector":"PDConnector",'
                     '"kv_connector_module_path":"pd_connector.connector","kv_role":"kv_producer",'
                     '...}\'')

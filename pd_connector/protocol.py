@@ -22,6 +22,18 @@ KEY_VERSION = "pd_protocol_version"
 # Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
 KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
 
+# What a router sends P with the prompt (vLLM's toy-proxy fields): keep the blocks for a remote
+# decode. The remote_* fields are present as None because vLLM's NIXL connector reads them
+# unconditionally, and routers may point the same body at either connector.
+PREFILL_REQUEST_PARAMS: dict = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 MAX_BLOCK_ID = 2**31 - 1
 
 # Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.

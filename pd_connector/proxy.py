@@ -44,6 +44,8 @@ from pd_connector.routing import (
     probe_all,
 )
 
+from pd_connector.protocol import PREFILL_REQUEST_PARAMS
+
 logger = logging.getLogger("pd_connector.proxy")
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -58,16 +60,7 @@ PASSIVE_RECOVERY_S = 5.0
 # handler_cancellation=True, which build_app cannot enforce for whoever hosts the app.
 DISCONNECT_POLL_S = 0.25
 
-# Sent to P: asks P's connector to keep the prompt's blocks for a remote decode. The remote_* fields
-# must be present (as None) because the NIXL connector reads them unconditionally.
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV_PARAMS = PREFILL_REQUEST_PARAMS
 # Fields that would make P generate more than one token or hold the response open.
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 ROUTES = ("/v1/completions", "/v1/chat/completions")

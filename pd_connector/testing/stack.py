@@ -18,18 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from pd_connector.protocol import PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, complete
 from pd_connector.testing.servers import VllmServer, free_port, start_many
 
-# What the proxy (and vLLM's toy proxy) sends P.
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:
@@ -194,7 +186,7 @@ class PDStack:
             prompt,
             1,
             logprobs=None,
-            kv_transfer_params={**PREFILL_PARAMS, **extra_params},
+            kv_transfer_params={**PREFILL_REQUEST_PARAMS, **extra_params},
         )
         return out.kv_transfer_params or {}
 
