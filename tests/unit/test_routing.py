@@ -58,7 +58,7 @@ def dead_url() -> str:
 
 
 class Fake:
-    """A fake vLLM instance: switchable /health, status, and an optional gate that holds requests."""
+    """A fake vLLM instance: switchable /health and status, an optional gate holding requests."""
 
     def __init__(self, name, *, status=200, kv_params=None):
         self.name, self.status, self.kv_params = name, status, kv_params
@@ -70,6 +70,10 @@ class Fake:
         for path in proxy_mod.ROUTES:
             self.app.router.add_post(path, self.generate)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
 
     async def health(self, request):
         return web.json_response({}, status=200 if self.healthy else 503)
@@ -294,6 +298,17 @@ async def test_proxy_health_is_503_when_a_whole_pool_is_down():
         assert h["prefill"][0]["healthy"] is True and h["prefill"][0]["in_flight"] == 0
 
 
+@async_test
+async def test_models_skips_an_unreachable_decode():
+    dead = dead_url()
+    async with stack([P()], [dead, Fake("d1")]) as s:
+        for _ in range(2):
+            async with s.session.get(s.url + "/v1/models") as r:
+                assert r.status == 200
+                assert (await r.json())["data"][0]["id"] == "model-d1"
+        assert not s.state.decode.upstreams[0].healthy
+
+
 # ---- prefill retries ----------------------------------------------------------------------------
 
 @async_test
@@ -355,6 +370,10 @@ async def test_prefill_timeout_is_retried_elsewhere():
         assert len(p0.received) == len(p1.received) == 1
         assert "timed out" in s.state.prefill.upstreams[0].last_error
         assert not s.state.prefill.upstreams[0].healthy
+    async with stack([p0], [Fake("d0")], timeout=0.3, prefill_retries=2) as s:
+        status, raw, _ = await post(s)  # the only P timed out: not waited for a second time
+        assert status == 504 and b"timed out" in raw
+        assert len(p0.received) == 2  # one above, one here
 
 
 @async_test
