@@ -84,6 +84,23 @@ def choose_replay_offset(
     return max(0, offset)
 
 
+def offered_offset(chosen: int, num_computed_tokens: int) -> int:
+    """What P may hand over at finish: the chosen offset only if P computed exactly that many
+    tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
+    it the state at another position is the silent desync this project exists to prevent."""
+    return chosen if chosen > 0 and num_computed_tokens == chosen else 0
+
+
+def requested_min_recompute(raw: object) -> int | None:
+    """The router's ``pd_min_recompute_tokens``: a non-negative int, 0 when absent, None when
+    malformed (the caller logs and ignores it)."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        return None
+    return raw
+
+
 class Accepted(msgspec.Struct, frozen=True):
     """D honours P's offset: load ``offset`` tokens, recompute ``[offset, N)``."""
 
@@ -163,4 +180,6 @@ __all__ = [
     "choose_replay_offset",
     "decide_on_decode",
     "min_recompute_tokens",
+    "offered_offset",
+    "requested_min_recompute",
 ]

@@ -131,13 +131,14 @@ class SchedulerHalf:
     def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
         if request.request_id in self._p_offsets:
             return  # already truncated (preempted and re-added)
-        requested = params.get(KEY_MIN_RECOMPUTE, 0)
-        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+        raw = params.get(KEY_MIN_RECOMPUTE)
+        requested = handoff.requested_min_recompute(raw)
+        if requested is None:
             logger.warning(
                 "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
                 request.request_id,
                 KEY_MIN_RECOMPUTE,
-                requested,
+                raw,
             )
             self.recorder.count("bad_min_recompute")
             requested = 0
@@ -158,21 +159,19 @@ class SchedulerHalf:
     def _finish_prefill(
         self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        offset = self._p_offsets.pop(request.request_id, 0)
+        chosen = self._p_offsets.pop(request.request_id, 0)
         if request.status.name not in _FINISHED_OK:
             return False, None  # aborted or errored: nothing to hand over
-        if offset and request.num_computed_tokens != offset:
-            # The state in the Mamba slot is the state after num_computed_tokens; handing it
-            # over as the state at `offset` would be the silent desync this project prevents.
+        offset = handoff.offered_offset(chosen, request.num_computed_tokens)
+        if offset != chosen:
             logger.warning(
                 "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
                 "nothing (the decode instance will prefill locally)",
                 request.request_id,
                 request.num_computed_tokens,
-                offset,
+                chosen,
             )
             self.recorder.count("p_offset_not_computed")
-            offset = 0
         transfer_ids = tuple(block_ids[g] for g in self.group_ids)
         source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
         out = self._returned_params(request, offset, source)
