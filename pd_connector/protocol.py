@@ -178,6 +178,10 @@ class EngineCompat(msgspec.Struct, frozen=True):
     conv_state_layout: str
     tensor_parallel_size: int
     device: str
+    # EAGLE/MTP method and draft model ("none" without drafting): a D that drafts needs the
+    # drafter's KV for the prefix, which only a P running the same drafter computed. The token
+    # count may differ (the replay offset absorbs that).
+    speculative: str = "none"
 
 
 def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:

@@ -177,6 +177,11 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         # AVX512-BF16 CPUs (vllm/platforms/cpu.py); we compare instead of assuming.
         conv_layout = str(get_conv_state_layout())
     model = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    speculative = "none"
+    if spec is not None:
+        draft = getattr(spec, "model", None) or ""
+        speculative = f"{spec.method}:{os.path.basename(str(draft).rstrip('/'))}" if draft else str(spec.method)
     return EngineCompat(
         model=os.path.basename(str(model.model).rstrip("/")),
         dtype=str(model.dtype),
@@ -185,4 +190,5 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         conv_state_layout=conv_layout,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         device=str(vllm_config.kv_transfer_config.kv_buffer_device),
+        speculative=speculative,
     )
