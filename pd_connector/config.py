@@ -79,7 +79,7 @@ def parse_settings(extra_config: dict[str, Any] | None, environ=os.environ) -> C
             f"it at start-up); set {SECRET_ENV} or shared_secret_file instead"
         )
     known = [f for f in ConnectorSettings.__struct_fields__ if f != "secret"]
-    unknown = sorted(set(raw) - set(known))
+    unknown = sorted(set(raw) - set(known), key=repr)
     if unknown:
         raise ValueError(
             f"pd_connector: unknown kv_connector_extra_config key(s) {unknown}. Known keys: {', '.join(known)}"

@@ -109,8 +109,10 @@ class ReleaseTarget(msgspec.Struct, frozen=True):
 
 def release_target(raw: object) -> ReleaseTarget | None:
     """The P to release, from params too broken to decode as a whole (wrong version, bad
-    offset...), so P frees the blocks now rather than at lease expiry. None if unusable."""
-    if not isinstance(raw, dict):
+    offset...), so P frees the blocks now rather than at lease expiry. None if unusable, and
+    None for params without ``replay_offset``: they come from another connector (vLLM's NIXL),
+    whose side channel must never receive our messages (its listener dies on them)."""
+    if not isinstance(raw, dict) or KEY_REPLAY_OFFSET not in raw:
         return None
     try:
         target = msgspec.convert(

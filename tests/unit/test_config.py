@@ -81,7 +81,25 @@ def test_each_key_is_honoured(key, value):
 def test_env_override(key, env_value, expected):
     env = {ENV_PREFIX + key.upper(): env_value}
     assert env == {f"PD_CONNECTOR_{key.upper()}": env_value}
-    assert getattr(parse(None, env), key) == expected
+    got = getattr(parse(None, env), key)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "env_value, expected",
+    [
+        (" UCX , LIBFABRIC ", ["UCX", "LIBFABRIC"]),
+        ("UCX", ["UCX"]),
+        ("\tGDS\n", ["GDS"]),
+    ],
+)
+def test_env_nixl_backends_are_stripped(env_value, expected):
+    assert parse(None, {"PD_CONNECTOR_NIXL_BACKENDS": env_value}).nixl_backends == expected
+
+
+def test_config_nixl_backends_are_kept_verbatim():
+    """Only the environment's comma list is split and stripped; a config list is typed JSON."""
+    assert parse({"nixl_backends": ["UCX", "GDS_MT"]}).nixl_backends == ["UCX", "GDS_MT"]
 
 
 def test_config_wins_over_env():
@@ -112,9 +130,31 @@ def test_unknown_key_is_refused_listing_known_keys(key, value):
     with pytest.raises(ValueError) as info:
         parse({key: value})
     msg = str(info.value)
-    assert "unknown field" in msg
-    for known in KNOWN:
-        assert known in msg
+    assert f"unknown kv_connector_extra_config key(s) {[key]}. Known keys: " in msg
+    assert msg.endswith("Known keys: " + ", ".join(KNOWN))
+
+
+def test_unknown_keys_are_all_named_sorted_even_next_to_valid_ones():
+    with pytest.raises(ValueError) as info:
+        parse({"zeta": 1, "side_channel_port": 6000, "alpha": "x", "lease_second": 3})
+    assert "unknown kv_connector_extra_config key(s) ['alpha', 'lease_second', 'zeta']" in str(info.value)
+
+
+def test_unknown_key_is_refused_even_when_env_would_fill_it():
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        parse({"bogus": 1}, {"PD_CONNECTOR_BOGUS": "1"})
+
+
+@pytest.mark.parametrize("config", [{1: 2}, {None: 2}])
+def test_non_string_unknown_key_is_refused(config):
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        parse(config)
+
+
+@pytest.mark.parametrize("config", [{1: 2, "x": 3}, {None: 1, "side_channel_port": 6000, "y": 0}])
+def test_unknown_keys_of_mixed_types_are_refused_naming_them(config):
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        parse(config)
 
 
 @pytest.mark.parametrize(
@@ -137,12 +177,32 @@ def test_unknown_key_is_refused_listing_known_keys(key, value):
         ("nixl_num_threads", 2.5),
         ("verify_state_digest", "maybe"),
         ("claim_wait_seconds", "later"),
+        # Config values are strictly typed: numeric and boolean strings are refused too.
+        ("side_channel_port", "5661"),
+        ("lease_seconds", "2.5"),
+        ("handshake_timeout_seconds", "3"),
+        ("nixl_num_threads", "4"),
+        ("nixl_num_threads", True),
+        ("verify_state_digest", "true"),
+        ("verify_state_digest", 1),
+        ("verify_state_digest", 0),
+        ("claim_wait_seconds", "1.5"),
+        ("nixl_backends", "UCX,GDS"),
+        ("load_failure_policy", ["fail"]),
+        ("lease_seconds", 10**400),
     ],
 )
 def test_bad_types_are_refused_naming_the_key(key, value):
     with pytest.raises(ValueError) as info:
         parse({key: value})
     assert key in str(info.value)
+
+
+def test_string_port_in_config_is_refused():
+    """The example of the strict-typing change: JSON config gives numbers as numbers."""
+    with pytest.raises(ValueError, match="side_channel_port"):
+        parse({"side_channel_port": "5661"})
+    assert parse(None, {"PD_CONNECTOR_SIDE_CHANNEL_PORT": "5661"}).side_channel_port == 5661
 
 
 @pytest.mark.parametrize(
@@ -155,7 +215,14 @@ def test_bad_types_are_refused_naming_the_key(key, value):
         ("lease_seconds", -1.0),
         ("handshake_timeout_seconds", 0.0),
         ("handshake_timeout_seconds", -5),
+        ("claim_wait_seconds", 0),
+        ("claim_wait_seconds", -0.5),
+        ("nixl_num_threads", -1),
         ("nixl_backends", []),
+        ("nixl_backends", [""]),
+        ("nixl_backends", [" "]),
+        ("nixl_backends", ["UCX", ""]),
+        ("nixl_backends", ["\t", "GDS"]),
     ],
 )
 def test_bad_ranges_are_refused_naming_the_key(key, value):
@@ -167,21 +234,63 @@ def test_bad_ranges_are_refused_naming_the_key(key, value):
 @pytest.mark.parametrize(
     "key, env_value",
     [
-        ("side_channel_port", "99999"),
         ("side_channel_port", "http"),
-        ("lease_seconds", "-3"),
+        ("side_channel_port", " 5661 "),  # only nixl_backends are stripped
+        ("side_channel_port", ""),
+        ("side_channel_port", "2.5"),
+        ("lease_seconds", "soon"),
+        ("lease_seconds", "1e400"),
+        ("handshake_timeout_seconds", ""),
+        ("claim_wait_seconds", "later"),
         ("load_failure_policy", "ignore"),
         ("nixl_num_threads", "x"),
         ("verify_state_digest", "yes please"),
     ],
 )
-def test_bad_env_values_are_refused_naming_the_key(key, env_value):
+def test_unconvertible_env_values_are_refused_naming_the_variable(key, env_value):
+    """The error names the environment variable and its value, not a config key."""
+    var = ENV_PREFIX + key.upper()
     with pytest.raises(ValueError) as info:
-        parse(None, {ENV_PREFIX + key.upper(): env_value})
-    assert key in str(info.value)
+        parse(None, {var: env_value})
+    assert f"invalid {var}={env_value!r}: " in str(info.value)
 
 
-@settings(max_examples=300, deadline=None)
+def test_unconvertible_env_value_example_message():
+    with pytest.raises(ValueError) as info:
+        parse(None, {"PD_CONNECTOR_SIDE_CHANNEL_PORT": "http"})
+    assert str(info.value).startswith("pd_connector: invalid PD_CONNECTOR_SIDE_CHANNEL_PORT='http': ")
+
+
+@pytest.mark.parametrize(
+    "key, env_value",
+    [
+        ("side_channel_port", "99999"),
+        ("side_channel_port", "0"),
+        ("lease_seconds", "-3"),
+        ("lease_seconds", "0"),
+        ("handshake_timeout_seconds", "-0.1"),
+        ("claim_wait_seconds", "0"),
+        ("nixl_num_threads", "-1"),
+        ("nixl_backends", ""),
+        ("nixl_backends", " , "),
+        ("nixl_backends", "UCX,"),
+    ],
+)
+def test_out_of_range_env_values_are_refused_naming_the_key(key, env_value):
+    """Converted, then refused by the range checks, which name the key."""
+    var = ENV_PREFIX + key.upper()
+    with pytest.raises(ValueError) as info:
+        parse(None, {var: env_value})
+    assert key in str(info.value) or var in str(info.value)
+
+
+def test_bad_env_value_is_ignored_when_the_config_sets_the_key():
+    env = {"PD_CONNECTOR_SIDE_CHANNEL_PORT": "http", "PD_CONNECTOR_LEASE_SECONDS": "nan"}
+    s = parse({"side_channel_port": 6000, "lease_seconds": 3.0}, env)
+    assert s.side_channel_port == 6000 and s.lease_seconds == 3.0
+
+
+@settings(max_examples=150, deadline=None)
 @given(st.integers(-(2**20), 2**20))
 def test_port_range(port):
     if 0 < port < 65536:
@@ -192,20 +301,59 @@ def test_port_range(port):
             parse({"side_channel_port": port})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.ConnectorSettings.__post_init__ checks `x <= 0`, which NaN passes: "
-    "PD_CONNECTOR_LEASE_SECONDS=nan is accepted, every lease deadline becomes NaN and "
-    "leases.LeaseTable.expire never frees the blocks (likewise a NaN handshake timeout)",
-)
-@pytest.mark.parametrize("key", ["lease_seconds", "handshake_timeout_seconds"])
+DURATIONS = ["lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds"]
+
+
+@pytest.mark.parametrize("key", DURATIONS)
 @pytest.mark.parametrize("source", ["env", "config"])
 def test_nan_durations_are_refused(key, source):
+    """Regression: the check was `x <= 0`, which NaN passes: PD_CONNECTOR_LEASE_SECONDS=nan was
+    accepted, every lease deadline became NaN and leases.LeaseTable.expire never freed the
+    blocks (likewise a NaN handshake timeout)."""
     with pytest.raises(ValueError, match=key):
         if source == "env":
             parse(None, {ENV_PREFIX + key.upper(): "nan"})
         else:
             parse({key: float("nan")})
+
+
+@pytest.mark.parametrize("key", DURATIONS)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), -1e-9, 0.0])
+def test_infinite_or_non_positive_durations_are_refused(key, value):
+    with pytest.raises(ValueError, match=key):
+        parse({key: value})
+    with pytest.raises(ValueError, match=key):
+        parse(None, {ENV_PREFIX + key.upper(): repr(value)})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(DURATIONS), st.floats(allow_nan=True, allow_infinity=True))
+def test_duration_accepted_iff_positive_and_finite(key, value):
+    ok = value > 0 and value != float("inf")
+    for source in ("config", "env"):
+        try:
+            if source == "config":
+                got = getattr(parse({key: value}), key)
+            else:
+                got = getattr(parse(None, {ENV_PREFIX + key.upper(): repr(value)}), key)
+        except ValueError as exc:
+            assert not ok, (source, value, exc)
+            assert key in str(exc)
+        else:
+            assert ok and got == value, (source, value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(-(2**20), 2**20))
+def test_nixl_num_threads_accepted_iff_non_negative(n):
+    for source in ("config", "env"):
+        try:
+            got = (parse({"nixl_num_threads": n}) if source == "config" else
+                   parse(None, {"PD_CONNECTOR_NIXL_NUM_THREADS": str(n)})).nixl_num_threads
+        except ValueError as exc:
+            assert n < 0 and "nixl_num_threads" in str(exc), (source, n)
+        else:
+            assert n >= 0 and got == n, (source, n)
 
 
 def test_settings_struct_refuses_unknown_fields_directly():
@@ -234,13 +382,16 @@ def test_secret_from_file_is_stripped_and_wins_over_environment(tmp_path):
 
 @pytest.mark.parametrize("key", ["shared_secret", "_secret"])
 def test_secret_in_config_is_refused_pointing_to_the_env_var(key):
-    with pytest.raises(ValueError) as info:
-        parse({key: "s3cret"})
-    assert SECRET_ENV in str(info.value) and "s3cret" not in str(info.value)
+    for value in ("s3cret", 12345, None):
+        with pytest.raises(ValueError) as info:
+            parse({key: value, "side_channel_port": 6000})
+        msg = str(info.value)
+        assert SECRET_ENV in msg and "shared_secret_file" in msg
+        assert "s3cret" not in msg and "12345" not in msg
 
 
 def test_secret_field_name_is_not_a_config_key():
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['secret'\]"):
         parse({"secret": "s3cret"})
 
 
@@ -259,24 +410,22 @@ def test_secret_is_not_in_repr(tmp_path):
     assert "side_channel_port=5660" in repr(s)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.parse_settings passes shared_secret_file to open() before type validation: "
-    "a list/float/dict raises TypeError (not ValueError naming the key); an int is opened as a "
-    "file descriptor (e.g. 1 or True reads fd 1)",
-)
-@pytest.mark.parametrize("value", [["/etc/secret"], 2.5, {"path": "x"}])
-def test_shared_secret_file_of_wrong_type_is_refused_naming_the_key(value):
+@pytest.mark.parametrize("value", [["/etc/secret"], 2.5, {"path": "x"}, 1, 0, True, None, b"/etc/secret"])
+def test_shared_secret_file_of_wrong_type_is_refused_naming_the_key(value, monkeypatch):
+    """Regression: shared_secret_file reached open() before type validation: a list/float/dict
+    raised TypeError (not ValueError naming the key); an int was opened as a file descriptor
+    (1 or True read fd 1)."""
+    def no_open(*args, **kwargs):
+        raise AssertionError(f"open{args} called for a non-string shared_secret_file")
+
+    # Shadows the builtin for pd_connector.config only.
+    monkeypatch.setattr("pd_connector.config.open", no_open, raising=False)
     with pytest.raises(ValueError, match="shared_secret_file"):
-        parse({"shared_secret_file": value})
+        parse({"shared_secret_file": value}, {SECRET_ENV: "from-env"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.ConnectorSettings.__post_init__ has no range check for claim_wait_seconds: "
-    "negative and NaN values are accepted",
-)
-@pytest.mark.parametrize("value", [-1.0, float("nan")])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 0.0])
 def test_claim_wait_seconds_out_of_range_is_refused(value):
+    """Regression: claim_wait_seconds had no range check (negative and NaN were accepted)."""
     with pytest.raises(ValueError, match="claim_wait_seconds"):
         parse({"claim_wait_seconds": value})

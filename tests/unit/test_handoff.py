@@ -6,6 +6,7 @@ No vLLM, NIXL, torch or sockets. Background: /work/shared/reference/vllm-pd-inte
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -29,8 +30,8 @@ from pd_connector.protocol import (
 
 # Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively
 # (plain loops, far cheaper) so the suite stays fast while covering >100k configurations.
-FAST = settings(max_examples=200, deadline=None)
-MANY = settings(max_examples=300, deadline=None)
+FAST = settings(max_examples=150, deadline=None)
+MANY = settings(max_examples=200, deadline=None)
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -40,6 +41,7 @@ profiles = st.builds(
     prefill_lookahead=st.integers(0, 6),
     bounded_replay_tokens=st.one_of(st.just(0), st.integers(0, 8)),
     replay_grid=st.one_of(st.just(0), st.integers(1, 64), st.sampled_from([8, 16, 32, 64, 128])),
+    eagle_drop=st.booleans(),
 )
 # The skew scenario of the brief: EAGLE-family lookahead 0..4, recurrent or not, no grid.
 skew_profiles = st.builds(
@@ -48,6 +50,15 @@ skew_profiles = st.builds(
     prefill_lookahead=st.integers(0, 4),
 )
 prompt_lengths = st.integers(1, 5000)
+
+
+def offset_cap(n: int, profile: RecomputeProfile, requested: int = 0) -> int:
+    """The largest offset P may choose before grid flooring: N minus the recompute tail, and
+    with the EAGLE drop on a grid, vLLM's EAGLE checkpoint position floor(N/u)*u - u."""
+    cap = n - max(min_recompute_tokens(profile), requested)
+    if profile.replay_grid > 0 and profile.eagle_drop:
+        cap = min(cap, n // profile.replay_grid * profile.replay_grid - profile.replay_grid)
+    return cap
 
 
 def vllm_backoff(profile: RecomputeProfile) -> int:
@@ -143,11 +154,12 @@ def test_choose_offset_bounds(n, profile, requested):
 @given(prompt_lengths, profiles, st.integers(0, 6000))
 def test_choose_offset_backs_off_no_further_than_needed(n, profile, requested):
     """The offset is the *largest* admissible one: the next grid point (or next token) would
-    leave too few tokens to recompute."""
+    leave too few tokens to recompute (or, with the EAGLE drop, pass vLLM's EAGLE checkpoint)."""
     offset = choose_replay_offset(n, profile, requested)
-    tail = max(min_recompute_tokens(profile), requested)
+    cap = offset_cap(n, profile, requested)
     step = profile.replay_grid or 1
-    assert offset + step > n - tail
+    assert offset <= cap or offset == 0
+    assert offset + step > cap
 
 
 @pytest.mark.parametrize("n", [0, -1, -100])
@@ -209,17 +221,18 @@ def test_choose_offset_examples(n, profile, requested, expected):
 
 
 ALL_PROFILES = [
-    RecomputeProfile(rec, la, bounded, grid)
+    RecomputeProfile(rec, la, bounded, grid, eagle)
     for rec in (False, True)
     for la in range(7)
     for bounded in (0, 1, 3)
     for grid in (0, 1, 3, 8, 16)
+    for eagle in ((False, True) if grid else (False,))
 ]
 
 
 def test_choose_offset_exhaustive_small_prompts():
-    """Every prompt length 1..96 x 210 profiles x requested tails: bounds, grid and maximality
-    (about 120k configurations, plain loops)."""
+    """Every prompt length 1..96 x 378 profiles x requested tails: bounds, grid and maximality
+    (about 220k configurations, plain loops)."""
     for profile in ALL_PROFILES:
         need = min_recompute_tokens(profile)
         step = profile.replay_grid or 1
@@ -227,11 +240,12 @@ def test_choose_offset_exhaustive_small_prompts():
             tail = max(need, requested)
             for n in range(1, 97):
                 offset = choose_replay_offset(n, profile, requested)
+                cap = offset_cap(n, profile, requested)
                 ctx = (n, profile, requested, offset)
                 assert 0 <= offset < n, ctx
                 assert offset == 0 or n - offset >= tail, ctx
                 assert offset % step == 0, ctx
-                assert offset + step > n - tail, ctx
+                assert offset == max(0, cap - cap % step), ctx
 
 
 def vllm_mamba_checkpoint(n: int, unit: int, eagle: bool) -> int:
@@ -249,6 +263,54 @@ def test_grid_offset_is_vllm_mamba_checkpoint_without_eagle():
         profile = RecomputeProfile(has_recurrent_state=True, replay_grid=unit)
         for n in range(1, 400):
             assert choose_replay_offset(n, profile) == vllm_mamba_checkpoint(n, unit, False), n
+
+
+def test_grid_offset_is_vllm_mamba_checkpoint_with_eagle():
+    """Align mode with EAGLE (lookahead 1, recurrent): vLLM checkpoints one grid unit earlier,
+    floor(N/u)*u - u, and the offset lands exactly there (vllm#51295, #53945)."""
+    for unit in (1, 2, 8, 16, 32, 64):
+        profile = RecomputeProfile(
+            has_recurrent_state=True, prefill_lookahead=1, replay_grid=unit, eagle_drop=True
+        )
+        for n in range(1, 400):
+            assert choose_replay_offset(n, profile) == vllm_mamba_checkpoint(n, unit, True), n
+
+
+@pytest.mark.parametrize(
+    "n, unit, expected",
+    [(128, 32, 96), (129, 32, 96), (159, 32, 96), (160, 32, 128), (63, 32, 0), (64, 32, 32),
+     (31, 32, 0), (15, 2, 12), (16, 2, 14), (2, 1, 1), (1, 1, 0)],
+)
+def test_eagle_drop_examples(n, unit, expected):
+    eagle = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1, replay_grid=unit, eagle_drop=True)
+    assert choose_replay_offset(n, eagle) == expected
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(-10, 6000))
+def test_eagle_drop_properties(n, profile, requested):
+    """The EAGLE drop keeps the offset on the grid, never raises it above the offset without
+    the drop, and lowers it to floor(N/u)*u - u exactly when that lies below the floored N -
+    tail. Without a grid it changes nothing."""
+    eagle = msgspec.structs.replace(profile, eagle_drop=True)
+    plain = msgspec.structs.replace(profile, eagle_drop=False)
+    got = choose_replay_offset(n, eagle, requested)
+    base = choose_replay_offset(n, plain, requested)
+    u = profile.replay_grid
+    if u == 0:
+        assert got == base
+        return
+    assert got % u == 0
+    assert 0 <= got <= base
+    checkpoint = n // u * u - u
+    tail = max(min_recompute_tokens(profile), requested)
+    floored = (n - tail) - (n - tail) % u
+    if checkpoint < floored:
+        assert got == max(0, checkpoint)
+    else:
+        assert got == base
+    # Never above vLLM's EAGLE checkpoint (0 when there is none: the offset is then 0).
+    assert got <= max(0, checkpoint)
 
 
 @FAST
@@ -296,7 +358,7 @@ def tampered_params(draw):
     return raw
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.one_of(junk, st.dictionaries(st.text(max_size=20), junk, max_size=6), tampered_params()),
     st.integers(-5, 1000),
@@ -316,17 +378,36 @@ def test_decide_never_raises_on_junk(raw, n, profile):
     assert decision.params.remote_num_tokens in (None, decision.offset)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.decode_handoff_params formats the bad version with {version!r}; a deeply "
-    "nested value (5000 levels) makes repr() raise RecursionError, so decide_on_decode raises "
-    "instead of refusing (needs a Python caller: json.loads cannot build it)",
-)
 def test_decide_never_raises_on_deeply_nested_version():
+    """Regression: the bad version was formatted with {version!r}; a deeply nested value (5000
+    levels) made repr() raise RecursionError, so decide_on_decode raised instead of refusing
+    (needs a Python caller: json.loads cannot build it). Now formatted with reprlib."""
     deep: list = []
     for _ in range(5000):
         deep = [deep]
     d = decide_on_decode(valid_params(**{KEY_VERSION: deep}), 100, RecomputeProfile())
+    assert isinstance(d, Refused) and d.kind == "version_mismatch" and d.params is None
+    assert str(PROTOCOL_VERSION) in d.reason and len(d.reason) < 300
+
+
+@pytest.mark.parametrize(
+    "version",
+    [list(range(10_000)), "v" * 100_000, {str(i): i for i in range(1000)}, 10**400, b"\xff" * 5000],
+)
+def test_version_mismatch_reason_is_bounded(version):
+    """Whatever P (or a tamperer) puts in the version field, the log line stays short."""
+    d = decide_on_decode(valid_params(**{KEY_VERSION: version}), 100, RecomputeProfile())
+    assert isinstance(d, Refused) and d.kind == "version_mismatch"
+    assert len(d.reason) < 300
+
+
+class _BadRepr:
+    def __repr__(self):
+        raise RuntimeError("repr exploded")
+
+
+def test_version_whose_repr_raises_is_still_refused():
+    d = decide_on_decode(valid_params(**{KEY_VERSION: _BadRepr()}), 100, RecomputeProfile())
     assert isinstance(d, Refused) and d.kind == "version_mismatch"
 
 

@@ -18,7 +18,7 @@ from pd_connector.layout import (
 )
 from pd_connector.protocol import LayerRegion
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(max_examples=120, deadline=None)
 
 
 @st.composite
@@ -184,7 +184,7 @@ def naive_runs(local, remote):
     return runs
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(-50, 50), st.integers(-50, 50)), max_size=40))
 def test_count_runs_equals_naive(pairs):
     local = np.array([a for a, _ in pairs], dtype=np.int32)
@@ -192,7 +192,7 @@ def test_count_runs_equals_naive(pairs):
     assert count_runs(local, remote) == naive_runs(local.tolist(), remote.tolist())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 10)), max_size=10))
 def test_count_runs_of_consecutive_blocks(segments):
     """Runs built from consecutive segments on both sides merge to at most one per segment."""

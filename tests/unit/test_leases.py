@@ -326,12 +326,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 LeaseMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None
+    max_examples=60, stateful_step_count=30, deadline=None
 )
 TestLeaseInterleavings = LeaseMachine.TestCase
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["grant", "complete", "expire", "take"]), ids, st.floats(0, 500)),

@@ -2,7 +2,9 @@
 
 Block tables are generated the way vLLM 0.32 shapes them (reference sections 3.4, 3.5):
 - attention: >= cdiv(R, B) unique non-null ids;
-- sliding window: the same, with null (0) ids for blocks that lie wholly before the window;
+- sliding window: the same, with null (0) ids for the blocks vLLM's
+  ``SlidingWindowManager.remove_skipped_blocks`` already dropped: blocks [0, skipped // B) with
+  skipped = max(0, R - W + 1 - extra_retained_tokens) (``get_num_skipped_tokens``);
 - Mamba ``none`` mode: [state] + scratch slots; ``align`` mode: position-indexed
   [null or checkpoint..., state] + scratch slots.
 No vLLM, NIXL, torch or sockets.
@@ -26,16 +28,18 @@ from pd_connector.pairing import (
     SLIDING_WINDOW,
     GroupLayout,
     PairingError,
-    _tail,
-    _window_blocks,
     cdiv,
     mamba_state_slot,
     pair_blocks,
     select_source_blocks,
+    window_first_block,
 )
 
+# Example counts keep the six pure-core files under ~20 s of CPU together; the cheap exhaustive
+# loops below cover the small configurations.
 SETTINGS = settings(max_examples=300, deadline=None)
-FEWER = settings(max_examples=200, deadline=None)
+FEWER = settings(max_examples=150, deadline=None)
+FEWEST = settings(max_examples=100, deadline=None)
 
 block_sizes = st.one_of(
     st.integers(1, 64), st.sampled_from([1, 2, 3, 5, 7, 12, 16, 24, 32, 48, 63, 64])
@@ -75,10 +79,14 @@ class Ids:
         return out
 
 
-def sw_skipped_blocks(layout: GroupLayout, processed_tokens: int) -> int:
-    """vLLM's ``SlidingWindowManager.remove_skipped_blocks``: blocks [0, k) become null with
-    k = (processed - window + 1) // B (``get_num_skipped_tokens``)."""
-    return max(0, processed_tokens - layout.sliding_window + 1) // layout.block_size
+def vllm_skipped_tokens(layout: GroupLayout, computed: int, extra_retained: int = 0) -> int:
+    """vLLM's ``SlidingWindowManager.get_num_skipped_tokens``."""
+    return max(0, computed - layout.sliding_window + 1 - extra_retained)
+
+
+def vllm_null_blocks(layout: GroupLayout, computed: int, extra_retained: int = 0) -> int:
+    """Blocks [0, k) that ``remove_skipped_blocks`` has replaced by the null block."""
+    return vllm_skipped_tokens(layout, computed, extra_retained) // layout.block_size
 
 
 @dataclass
@@ -88,7 +96,7 @@ class Table:
     scratch: list[int] = field(default_factory=list)
 
 
-def make_table(draw, ids: Ids, layout: GroupLayout, offset: int, nulls: int) -> Table:
+def make_table(ids: Ids, layout: GroupLayout, offset: int, nulls: int) -> Table:
     """A per-request block table for ``offset`` computed tokens (plus 0..2 spare blocks)."""
     if layout.kind == MAMBA:
         scratch = ids.take(layout.num_speculative_blocks)
@@ -121,13 +129,6 @@ class Scenario:
         return tuple(t.ids for t in self.d)
 
 
-def safe_p_nulls(layout: GroupLayout, offset: int) -> int:
-    """Null blocks P's sliding-window table may hold without touching the tail that
-    ``select_source_blocks`` ships (see the strict xfail below for the vLLM-exact count)."""
-    n = cdiv(offset, layout.block_size)
-    return max(0, min(n - _window_blocks(layout, offset), sw_skipped_blocks(layout, offset)))
-
-
 @st.composite
 def scenarios(draw, kinds=(ATTENTION, SLIDING_WINDOW, MAMBA), max_groups=4):
     groups = tuple(draw(st.lists(layouts(kinds), min_size=1, max_size=max_groups)))
@@ -139,42 +140,27 @@ def scenarios(draw, kinds=(ATTENTION, SLIDING_WINDOW, MAMBA), max_groups=4):
     p_tables, d_tables = [], []
     for g in groups:
         if g.kind == SLIDING_WINDOW:
-            p_nulls = draw(st.integers(0, safe_p_nulls(g, offset)))
-            # D allocated for `offset` computed tokens: vLLM nulls what the window skips.
-            d_nulls = sw_skipped_blocks(g, offset)
+            # Both sides computed (P) or allocated for (D) `offset` tokens: vLLM nulls what the
+            # window skips, minus its extra retained tokens (often 0, hence the weight on 0).
+            extra = st.one_of(st.just(0), st.integers(0, 2 * g.sliding_window))
+            p_nulls = vllm_null_blocks(g, offset, draw(extra))
+            d_nulls = vllm_null_blocks(g, offset, draw(extra))
         else:
             p_nulls = d_nulls = 0
-        p_tables.append(make_table(draw, p_ids, g, offset, p_nulls))
-        d_tables.append(make_table(draw, d_ids, g, offset, d_nulls))
+        p_tables.append(make_table(p_ids, g, offset, p_nulls))
+        d_tables.append(make_table(d_ids, g, offset, d_nulls))
     return Scenario(groups, offset, local_hit, p_tables, d_tables)
 
 
+def first_paired_block(layout: GroupLayout, offset: int, local_hit: int) -> int:
+    """The first token-block position D loads for an attention-type group."""
+    start = local_hit // layout.block_size
+    if layout.kind == SLIDING_WINDOW:
+        start = max(start, window_first_block(layout, offset))
+    return start
+
+
 # --- helpers ----------------------------------------------------------------------------------
-
-
-def test_tail_of_zero_is_empty():
-    """Regression: ``lst[-0:]`` is the whole list; ``_tail(ids, 0)`` must be []."""
-    assert _tail([1, 2, 3], 0) == []
-    assert _tail([], 0) == []
-    assert _tail([1, 2, 3], -1) == []
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers()), st.data())
-def test_tail_is_the_last_n(ids, data):
-    n = data.draw(st.integers(0, len(ids)))
-    got = _tail(ids, n)
-    assert len(got) == n and got == ids[len(ids) - n :]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing._tail(ids, n) with n > len(ids) slices from a negative index and drops "
-    "the head: _tail([1, 2, 3], 5) == [2, 3], not [1, 2, 3] (latent: current callers pass "
-    "n <= len)",
-)
-def test_tail_longer_than_list_is_whole_list():
-    assert _tail([1, 2, 3], 5) == [1, 2, 3]
 
 
 def test_cdiv():
@@ -206,21 +192,46 @@ def test_mamba_state_slot_examples(nsb, ids, expected):
     assert mamba_state_slot(layout, ids) == expected
 
 
-def test_window_blocks_never_exceed_blocks_of_offset():
+def test_window_first_block_is_the_block_of_the_first_token_the_window_reads():
+    """Exhaustive: token R (the first one D recomputes) attends to [R - W + 1, R]; the first
+    needed block is the one holding max(0, R - W + 1), it never lies past the blocks of R
+    tokens, and it is exactly where vLLM's nulls end when no extra tokens are retained."""
     for b, w, r in itertools.product(range(1, 20), range(1, 60), range(1, 120)):
         layout = GroupLayout(kind=SLIDING_WINDOW, block_size=b, sliding_window=w)
-        k = _window_blocks(layout, r)
-        n = cdiv(r, b)
-        assert 1 <= k <= n
-        if k < n:
-            # The shipped tail covers every token the first recomputed token attends to.
-            assert (n - k) * b <= r - w + 1
+        k = window_first_block(layout, r)
+        first_token = max(0, r - w + 1)
+        assert k == first_token // b
+        assert k * b <= first_token < (k + 1) * b
+        assert 0 <= k <= cdiv(r, b)
+        assert k == vllm_null_blocks(layout, r)
+        if w > 1:
+            assert k < cdiv(r, b)  # some KV before R is still needed
+        # Monotone in R, antitone in W.
+        assert window_first_block(layout, r + 1) >= k
+        wider = GroupLayout(kind=SLIDING_WINDOW, block_size=b, sliding_window=w + 1)
+        assert window_first_block(wider, r) <= k
+
+
+@pytest.mark.parametrize(
+    "b, w, r, expected",
+    [
+        (4, 6, 22, 4),  # window of token 22 is [17, 22]: block 4 = tokens 16..19
+        (16, 32, 96, 4),  # [65, 96] -> block 4 (64..79)
+        (16, 32, 95, 4),  # [64, 95] -> block 4
+        (16, 32, 94, 3),  # [63, 94] -> block 3
+        (16, 4096, 100, 0),  # window longer than the prompt
+        (1, 3, 10, 8),
+        (16, 1, 32, 2),  # W = 1: nothing before R is read
+    ],
+)
+def test_window_first_block_examples(b, w, r, expected):
+    assert window_first_block(GroupLayout(SLIDING_WINDOW, b, sliding_window=w), r) == expected
 
 
 # --- select_source_blocks ---------------------------------------------------------------------
 
 
-@SETTINGS
+@FEWER
 @given(scenarios())
 def test_select_source_blocks_never_ships_null_or_scratch(sc):
     sent = select_source_blocks(sc.layouts, sc.p_ids(), sc.offset)
@@ -232,7 +243,8 @@ def test_select_source_blocks_never_ships_null_or_scratch(sc):
         if layout.kind == ATTENTION:
             assert blocks == table.ids[:n]
         elif layout.kind == SLIDING_WINDOW:
-            assert blocks == table.ids[n - _window_blocks(layout, sc.offset) : n]
+            assert blocks == table.ids[window_first_block(layout, sc.offset) : n]
+            assert len(blocks) == n - window_first_block(layout, sc.offset)
         else:
             assert blocks == [table.state]
     assert select_source_blocks(sc.layouts, sc.p_ids(), 0) == [[] for _ in sc.layouts]
@@ -246,9 +258,10 @@ def test_select_source_blocks_group_count_mismatch():
         select_source_blocks(layouts_, ([1, 2], [3], [4]), 20)
 
 
-def test_select_source_blocks_too_short_table():
+@pytest.mark.parametrize("kind", [ATTENTION, SLIDING_WINDOW])
+def test_select_source_blocks_too_short_table(kind):
     with pytest.raises(PairingError):
-        select_source_blocks((GroupLayout(ATTENTION, 16),), ([1],), 17)
+        select_source_blocks((GroupLayout(kind, 16, sliding_window=8),), ([1],), 17)
 
 
 @pytest.mark.parametrize("table", [[], [0], [0, 5], [0, 5, 6]])
@@ -263,15 +276,22 @@ def test_select_source_blocks_null_in_attention_prefix_raises():
         select_source_blocks((GroupLayout(ATTENTION, 4),), ([3, 0, 5],), 9)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing.select_source_blocks ships the last cdiv(W,B)+1 blocks of a sliding-window "
-    "group, but vLLM 0.32 (Scheduler._connector_finished -> remove_skipped_blocks) hands P's "
-    "table over with blocks [0, (R-W+1)//B) already nulled; when the first shipped block lies "
-    "wholly before the window it is such a null and select_source_blocks raises PairingError "
-    "(uncaught in scheduler._finish_prefill). For W a multiple of B: R % B in {0, B-1}, "
-    "R >= W+B-1; for other W about half of all R > W",
-)
+def test_select_source_blocks_null_inside_sliding_window_range_raises_exhaustive():
+    """A null at any position of [window_first_block, cdiv(R, B)) is refused; a null before it
+    (what vLLM dropped) is not shipped at all."""
+    for b, w, r in itertools.product((1, 2, 3, 4, 7), (1, 2, 5, 8, 13), range(1, 40)):
+        layout = GroupLayout(SLIDING_WINDOW, b, sliding_window=w)
+        n, k = cdiv(r, b), window_first_block(layout, r)
+        table = list(range(100, 100 + n + 1))
+        for i in range(n + 1):
+            holed = table[:i] + [NULL_BLOCK] + table[i + 1 :]
+            if k <= i < n:
+                with pytest.raises(PairingError):
+                    select_source_blocks((layout,), (holed,), r)
+            else:
+                assert select_source_blocks((layout,), (holed,), r) == [holed[k:n]], (b, w, r, i)
+
+
 @pytest.mark.parametrize(
     "offset, block_size, window",
     [(96, 16, 32), (95, 16, 32), (64, 8, 16), (10, 1, 3), (8192, 16, 4096)],
@@ -279,17 +299,20 @@ def test_select_source_blocks_null_in_attention_prefix_raises():
 def test_select_source_blocks_accepts_sliding_window_table_nulled_before_window(
     offset, block_size, window
 ):
+    """Regression: the old rule shipped the trailing cdiv(W, B) + 1 blocks, whose first one
+    could be a block vLLM had already nulled (Scheduler._connector_finished ->
+    remove_skipped_blocks), so select_source_blocks raised on a perfectly valid table."""
     layout = GroupLayout(SLIDING_WINDOW, block_size, sliding_window=window)
     n = cdiv(offset, block_size)
-    skipped = sw_skipped_blocks(layout, offset)  # what vLLM nulls at request_finished
+    skipped = vllm_null_blocks(layout, offset)  # what vLLM nulls at request_finished
+    assert skipped == window_first_block(layout, offset)
     p_table = [NULL_BLOCK] * skipped + list(range(100, 100 + n - skipped))
-    needed = p_table[skipped:n]  # blocks holding tokens the window of token R still reads
     sent = select_source_blocks((layout,), (p_table,), offset)
-    assert NULL_BLOCK not in sent[0]
-    assert set(needed) <= set(sent[0])
+    # Exactly the blocks holding tokens the window of token R still reads.
+    assert sent == [p_table[skipped:n]]
     d_table = [NULL_BLOCK] * skipped + list(range(500, 500 + n - skipped))
     pairs = pair_blocks((layout,), sent, (d_table,), offset, 0)
-    assert sorted(pairs[0]) == [(p_table[i], d_table[i]) for i in range(skipped, n)]
+    assert pairs[0] == [(p_table[i], d_table[i]) for i in range(skipped, n)]
 
 
 # --- pair_blocks ------------------------------------------------------------------------------
@@ -302,10 +325,8 @@ def expected_pairs(sc: Scenario) -> list[list[tuple[int, int]]]:
             out.append([(p.state, d.state)])
             continue
         n = cdiv(sc.offset, layout.block_size)
-        start = sc.local_hit // layout.block_size
-        if layout.kind == SLIDING_WINDOW:
-            start = max(start, n - _window_blocks(layout, sc.offset))
-        out.append([(p.ids[i], d.ids[i]) for i in range(start, n) if d.ids[i] != NULL_BLOCK])
+        start = first_paired_block(layout, sc.offset, sc.local_hit)
+        out.append([(p.ids[i], d.ids[i]) for i in range(start, n)])
     return out
 
 
@@ -327,27 +348,28 @@ def test_pair_blocks_is_position_consistent_and_complete(sc):
         b = layout.block_size
         n = cdiv(sc.offset, b)
         first_needed = sc.local_hit // b
+        p_pos = {b: i for i, b in enumerate(p.ids) if b != NULL_BLOCK}  # ids are unique
+        d_pos = {b: i for i, b in enumerate(d.ids) if b != NULL_BLOCK}
         positions = []
         for src, dst in group_pairs:
-            i = d.ids.index(dst)
+            i = d_pos[dst]
             # P block at token-block index i feeds D block at index i.
-            assert p.ids.index(src) == i
+            assert p_pos[src] == i
             # Never a D block below the local hit, never past the offset.
             assert first_needed <= i < n
             positions.append(i)
-        assert positions == sorted(positions)
         if layout.kind == ATTENTION:
             # Exactly the blocks D lacks: [local_hit / B, cdiv(R, B)).
             assert positions == list(range(first_needed, n))
         else:
-            # Every block of D's the window reads (token R attends to [R - W + 1, R]) that D
-            # did not already hit is written.
+            # Exactly the blocks of D's the window of token R reads ([R - W + 1, R]) that D
+            # did not already hit.
             needed_from = max(first_needed, max(0, sc.offset - layout.sliding_window + 1) // b)
-            assert set(range(needed_from, n)) <= set(positions)
+            assert positions == list(range(needed_from, n))
     assert len(written) == len(set(written)), "a D block is written twice"
 
 
-@FEWER
+@FEWEST
 @given(scenarios(kinds=(ATTENTION,), max_groups=2))
 def test_attention_pairs_cover_tokens_local_hit_to_offset(sc):
     sent = select_source_blocks(sc.layouts, sc.p_ids(), sc.offset)
@@ -375,16 +397,45 @@ def test_pair_blocks_mamba_ships_state_slot_not_scratch():
     assert pairs == [[(2, 6), (3, 7)], [(10, 40)], [(20, 50)]]
 
 
-def test_pair_blocks_sliding_window_skips_d_nulls():
+def test_pair_blocks_sliding_window_pairs_only_the_window():
     layout = GroupLayout(SLIDING_WINDOW, 4, sliding_window=6)
-    # R = 22: n = 6, window tail = cdiv(6, 4) + 1 = 3 blocks (idx 3..5); token 22 reads 17..22.
+    # R = 22: token 22 reads 17..22, i.e. blocks 4 (16..19) and 5 (20..23) of n = 6.
     sent = select_source_blocks((layout,), ([1, 2, 3, 4, 5, 6],), 22)
-    assert sent == [[4, 5, 6]]
-    d = [0, 0, 0, 0, 70, 71]  # vLLM nulled blocks wholly before 17
+    assert sent == [[5, 6]]
+    d = [0, 0, 0, 0, 70, 71]  # vLLM nulled the blocks wholly before token 17
     assert pair_blocks((layout,), sent, (d,), 22, 0) == [[(5, 70), (6, 71)]]
+    # A local hit inside the window: only the block past it is loaded.
+    assert pair_blocks((layout,), sent, (d,), 22, 20) == [[(6, 71)]]
+    # The old tail rule's length (cdiv(W, B) + 1 = 3 blocks) is refused.
+    with pytest.raises(PairingError):
+        pair_blocks((layout,), [[4, 5, 6]], (d,), 22, 0)
+
+
+@pytest.mark.parametrize("d", [[0, 0, 0, 0, 0, 71], [0, 0, 0, 0, 70, 0]])
+def test_pair_blocks_sliding_window_null_inside_window_raises(d):
+    """A null where the window still reads: D would count those tokens as loaded."""
+    layout = GroupLayout(SLIDING_WINDOW, 4, sliding_window=6)
+    with pytest.raises(PairingError):
+        pair_blocks((layout,), [[5, 6]], (d,), 22, 0)
+
+
+def test_pair_blocks_sliding_window_w1_block_aligned_ships_nothing():
+    """W = 1 at a block boundary: token R reads only itself, so no block is shipped or paired
+    (and any remote block is refused)."""
+    layout = GroupLayout(SLIDING_WINDOW, 4, sliding_window=1)
+    assert select_source_blocks((layout,), ([0, 0, 0, 0],), 16) == [[]]
+    assert pair_blocks((layout,), [[]], ([0, 0, 0, 0],), 16, 0) == [[]]
+    with pytest.raises(PairingError):
+        pair_blocks((layout,), [[9]], ([0, 0, 0, 7],), 16, 0)
 
 
 # --- mismatched or tampered inputs raise ------------------------------------------------------
+
+
+def some_positions(k: int) -> list[int]:
+    """Both ends and the middle of range(k): every kind of position, at O(1) cost per list
+    (tampering every position makes the test quadratic in the table length)."""
+    return sorted({i for i in (0, 1, k // 2, k - 2, k - 1) if 0 <= i < k})
 
 
 def tampered_variants(sc: Scenario, sent: list[list[int]]):
@@ -398,15 +449,24 @@ def tampered_variants(sc: Scenario, sent: list[list[int]]):
         grown = [list(x) for x in remote]
         grown[g].append(99999)
         yield f"group {g}: one remote block too many", grown, local, sc.local_hit
-        for i in range(len(remote[g])):
+        for i in some_positions(len(remote[g])):
             shrunk = [list(x) for x in remote]
             del shrunk[g][i]
             yield f"group {g}: remote block {i} dropped", shrunk, local, sc.local_hit
+            for bad in (NULL_BLOCK, -1):
+                nulled = [list(x) for x in remote]
+                nulled[g][i] = bad
+                yield f"group {g}: remote block {i} replaced by {bad}", nulled, local, sc.local_hit
         if layout.kind != MAMBA:
             n = cdiv(sc.offset, layout.block_size)
             short = [list(x) for x in local]
             short[g] = short[g][: n - 1]
             yield f"group {g}: D table one block short", remote, short, sc.local_hit
+            first = first_paired_block(layout, sc.offset, sc.local_hit)
+            for pos in some_positions(n - first):
+                holed = [list(x) for x in local]
+                holed[g][first + pos] = NULL_BLOCK
+                yield f"group {g}: D null at paired position {first + pos}", remote, holed, sc.local_hit
     for hit in (-1, -sc.offset, sc.offset, sc.offset + 1):
         yield f"local hit {hit}", remote, local, hit
 
@@ -435,32 +495,39 @@ def test_pair_blocks_mamba_without_local_state_slot(local):
         pair_blocks((layout,), [[3]], (local,), 10, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing.pair_blocks skips a null (0) D block in an *attention* group as if it "
-    "were a sliding-window gap: the block is silently never written although D counts its "
-    "tokens as loaded",
+@pytest.mark.parametrize(
+    "local, hit",
+    [([5, 0, 7], 0), ([0, 6, 7], 0), ([5, 6, 0], 0), ([5, 6, 0], 8)],
 )
-def test_pair_blocks_refuses_null_block_in_attention_table():
+def test_pair_blocks_refuses_null_block_in_attention_table(local, hit):
+    """Regression: a null D block in an *attention* group was skipped as if it were a
+    sliding-window gap: never written although D counts its tokens as loaded."""
     layout = GroupLayout(ATTENTION, 4)
     with pytest.raises(PairingError):
-        pair_blocks((layout,), [[1, 2, 3]], ([5, 0, 7],), 12, 0)
+        pair_blocks((layout,), [[1, 2, 3]], (local,), 12, hit)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing.pair_blocks does not check P's ids: a null (0) remote block is paired "
-    "and read (only protocol.decode_handoff_params rejects it upstream), contrary to the "
-    "module invariant 'the null block is never shipped'",
-)
+def test_pair_blocks_ignores_null_below_the_local_hit():
+    """Positions D already holds are not written, so what D's table has there is not read."""
+    layout = GroupLayout(ATTENTION, 4)
+    assert pair_blocks((layout,), [[1, 2, 3]], ([0, 6, 7],), 12, 4) == [[(2, 6), (3, 7)]]
+
+
 @pytest.mark.parametrize(
     "layout, remote, local, offset",
     [
         (GroupLayout(ATTENTION, 4), [[1, 0, 3]], ([5, 6, 7],), 12),
+        (GroupLayout(ATTENTION, 4), [[1, 2, -3]], ([5, 6, 7],), 12),
+        # Below the local hit: never read, still refused (P never ships a null).
+        (GroupLayout(ATTENTION, 4), [[0, 2, 3]], ([5, 6, 7],), 12),
+        (GroupLayout(SLIDING_WINDOW, 4, sliding_window=6), [[0, 6]], ([0, 0, 0, 0, 70, 71],), 22),
         (GroupLayout(MAMBA, 16), [[0]], ([5],), 12),
+        (GroupLayout(MAMBA, 16), [[-1]], ([5],), 12),
     ],
-    ids=["attention", "mamba"],
+    ids=["attention", "attention-negative", "attention-below-hit", "sliding-window", "mamba", "mamba-negative"],
 )
 def test_pair_blocks_refuses_null_remote_block(layout, remote, local, offset):
-    with pytest.raises(PairingError):
-        pair_blocks((layout,), remote, local, offset, 0)
+    """Regression: P's ids were not checked, so a null (0) remote block was paired and read."""
+    for hit in (0, 4) if layout.kind == ATTENTION else (0,):
+        with pytest.raises(PairingError):
+            pair_blocks((layout,), remote, local, offset, hit)

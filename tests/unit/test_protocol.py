@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import typing
 
 import msgspec
 import pytest
@@ -26,18 +27,22 @@ from pd_connector.protocol import (
     Granted,
     GroupDesc,
     Hello,
+    Message,
     LayerRegion,
+    Pending,
     ProtocolError,
     Reject,
     Release,
+    ReleaseTarget,
     Welcome,
     compat_differences,
     decode_handoff_params,
     decode_message,
     encode_message,
+    release_target,
 )
 
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -61,6 +66,7 @@ compats = st.builds(
     conv_state_layout=st.sampled_from(["DS", "SD"]),
     tensor_parallel_size=st.integers(1, 8),
     device=st.sampled_from(["cpu", "cuda", "xpu"]),
+    speculative=st.sampled_from(["none", "eagle3:draft-a", "eagle3:draft-b", "mtp"]),
 )
 regions = st.builds(
     LayerRegion,
@@ -95,12 +101,21 @@ messages = st.one_of(
         lease_seconds=st.floats(allow_nan=False),
         state_digest=st.one_of(st.just(b""), st.binary(min_size=32, max_size=32)),
     ),
+    st.builds(Pending, reason=st.text(max_size=40)),
     st.just(Ack()),
     st.builds(Reject, reason=st.text(max_size=40)),
 )
 
 
 secrets = st.binary(min_size=1, max_size=48)
+
+
+COVERED_MESSAGES = {Hello, Welcome, Release, Claim, Extend, Granted, Pending, Ack, Reject}
+
+
+def test_strategies_cover_every_message_type():
+    """A new side-channel message must be added to ``messages`` above (and to this set)."""
+    assert set(typing.get_args(Message)) == COVERED_MESSAGES
 
 
 def frame(version: int, body: bytes, mac: bytes = b"") -> bytes:
@@ -142,6 +157,7 @@ def test_every_message_round_trips(message, secret):
         Claim(engine_id="e", request_id="r", replay_offset=0, block_ids=[]),
         Granted(lease_seconds=120.0),
         Extend(request_ids=[]),
+        Pending(reason=""),
         Hello(engine_id="", compat=EngineCompat("m", "bf16", "auto", [], "DS", 1, "cpu")),
     ],
 )
@@ -257,7 +273,7 @@ def test_arbitrary_msgpack_frames_give_protocol_error(value):
 @given(
     msgpack_values,
     st.sampled_from(
-        ["hello", "welcome", "release", "claim", "extend", "granted", "ack", "reject", "nope"]
+        ["hello", "welcome", "release", "claim", "extend", "granted", "pending", "ack", "reject", "nope"]
     ),
 )
 def test_tagged_bodies_with_junk_fields_give_protocol_error(fields, tag):
@@ -329,25 +345,32 @@ def test_huge_length_prefix_is_truncation_not_allocation():
     expect_protocol_error(b"\x92\x01\xc6\xff\xff\xff\xf0", "malformed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.decode_message: msgspec raises RecursionError (not DecodeError) while "
-    "skipping a deeply nested unknown body field or trailing envelope element (~1000 levels, "
-    "2 KB); it escapes as RecursionError instead of ProtocolError. The envelope case is "
-    "reached before the MAC check, so even with a shared secret an unauthenticated peer "
-    "triggers it",
-)
 @pytest.mark.parametrize(
     "where, secret",
-    [("unknown_body_field", b""), ("extra_envelope_element", b""), ("extra_envelope_element", b"k")],
+    [
+        ("unknown_body_field", b""),
+        ("known_body_field", b""),
+        ("extra_envelope_element", b""),
+        ("extra_envelope_element", b"k"),
+        ("envelope_body_field", b""),
+    ],
 )
 def test_decode_message_deeply_nested_frame_raises_protocol_error(where, secret):
+    """Regression: msgspec raises RecursionError (not DecodeError) while decoding or skipping a
+    deeply nested value (~1000 levels, 2 KB); it escaped as RecursionError instead of
+    ProtocolError. The envelope case is reached before the MAC check, so even with a shared
+    secret an unauthenticated peer triggered it."""
     nested = b"\x91" * 2000 + b"\xc0"  # [[[...[nil]...]]], 2 KB
     if where == "unknown_body_field":
         data = frame(PROTOCOL_VERSION, b"\x82\xa4type\xa3ack\xa1x" + nested)
-    else:
+    elif where == "known_body_field":
+        data = frame(PROTOCOL_VERSION, b"\x82\xa4type\xa6reject\xa6reason" + nested)
+    elif where == "extra_envelope_element":
         data = b"\x94\x01\xc4\x00\xc4\x00" + nested  # [1, b"", b"", <nested>]
-    expect_protocol_error(data, "malformed", secret=secret)
+    else:
+        data = b"\x93\x01" + nested + b"\xc4\x00"  # [1, <nested>, b""]
+    err = expect_protocol_error(data, "malformed", secret=secret)
+    assert len(str(err)) < 500
 
 
 def test_version_check_happens_before_body_decode():
@@ -460,6 +483,214 @@ def test_decode_handoff_params_errors(overrides, kind):
     with pytest.raises(ProtocolError) as info:
         decode_handoff_params(_params(**overrides))
     assert info.value.kind == kind
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["remote_block_ids", "remote_host", "remote_port", "replay_offset", "do_remote_prefill", "remote_num_tokens"],
+)
+def test_decode_handoff_params_deeply_nested_field_is_malformed(key):
+    """RecursionError while converting a deeply nested value becomes ProtocolError("malformed")."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ProtocolError) as info:
+        decode_handoff_params(_params(**{key: deep}))
+    assert info.value.kind == "malformed"
+
+
+@pytest.mark.parametrize(
+    "version",
+    [list(range(10_000)), "v" * 100_000, 10**400, 1.0000001, None, "1", [1]],
+)
+def test_decode_handoff_params_bad_version_message_is_bounded(version):
+    """Bad versions are formatted with reprlib: never raises (deep or huge values), stays short."""
+    raw = _params(pd_protocol_version=version)
+    if version is None:
+        del raw["pd_protocol_version"]
+    with pytest.raises(ProtocolError) as info:
+        decode_handoff_params(raw)
+    assert info.value.kind == "version_mismatch"
+    assert len(str(info.value)) < 300 and str(PROTOCOL_VERSION) in str(info.value)
+
+
+def test_decode_handoff_params_deeply_nested_version_is_version_mismatch():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ProtocolError) as info:
+        decode_handoff_params(_params(pd_protocol_version=deep))
+    assert info.value.kind == "version_mismatch" and len(str(info.value)) < 300
+
+
+# --- release_target: whom to release from params too broken to decode -------------------------
+
+TARGET = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 5660, "remote_request_id": "r"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"pd_protocol_version": 99},
+        {"pd_protocol_version": True},
+        {"replay_offset": -1},
+        {"replay_offset": "8"},
+        {"remote_block_ids": [[0]]},
+        {"remote_block_ids": "junk"},
+        {"remote_num_tokens": [1]},
+        {"do_remote_prefill": 1},
+        {"whatever": {"x": [1]}},
+    ],
+)
+def test_release_target_from_broken_params(overrides):
+    raw = _params(**overrides)
+    assert release_target(raw) == ReleaseTarget(**TARGET)
+
+
+def test_release_target_without_version():
+    """A pd_connector P always sends both keys; an offset without a version is broken params
+    from a pd_connector peer, which can be told to release."""
+    raw = _params()
+    del raw["pd_protocol_version"]
+    assert release_target(raw) == ReleaseTarget(**TARGET)
+
+
+def nixl_connector_params() -> dict:
+    """What vLLM 0.32's NixlConnector P returns (nixl/pull_scheduler.py request_finished): the
+    same four target keys, pointing at *its* NIXL handshake listener, and no replay_offset or
+    pd_protocol_version (decide_on_decode refuses it as missing_offset)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_engine_id": "nixl-prefill-engine",
+        "remote_request_id": "cmpl-abc-0",
+        "remote_host": "10.0.0.5",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+
+
+def test_release_target_of_non_pd_connector_params_is_none():
+    raw = nixl_connector_params()
+    assert release_target(raw) is None
+
+
+def test_nixl_connector_params_are_refused_as_missing_offset():
+    """Such params are the missing_offset case, never decoded."""
+    with pytest.raises(ProtocolError) as info:
+        decode_handoff_params(nixl_connector_params())
+    assert info.value.kind == "missing_offset"
+
+
+def test_pd_connector_envelope_is_not_a_nixl_handshake_message():
+    """Why a Release must not reach a NixlConnector listener: our frame decodes there as a
+    3-element list, (msg, pp_rank, tp_rank) = (1, body bytes, mac bytes)."""
+    decoded = msgspec.msgpack.decode(encode_message(Release(request_ids=["cmpl-abc-0"])))
+    assert isinstance(decoded, list) and len(decoded) == 3
+    assert decoded[0] == PROTOCOL_VERSION and isinstance(decoded[1], bytes)
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_release_target_port_bounds_accepted(port):
+    assert release_target(_params(remote_port=port)).remote_port == port
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"remote_port": 0},
+        {"remote_port": -1},
+        {"remote_port": 65536},
+        {"remote_port": True},
+        {"remote_port": "5660"},
+        {"remote_port": 5660.0},
+        {"remote_port": None},
+        {"remote_host": ""},
+        {"remote_host": 5},
+        {"remote_host": None},
+        {"remote_engine_id": None},
+        {"remote_engine_id": 3},
+        {"remote_request_id": None},
+        {"remote_request_id": ["r"]},
+    ],
+)
+def test_release_target_unusable_is_none(overrides):
+    assert release_target(_params(**overrides)) is None
+
+
+@pytest.mark.parametrize("key", list(TARGET))
+def test_release_target_missing_field_is_none(key):
+    raw = _params()
+    del raw[key]
+    assert release_target(raw) is None
+
+
+@pytest.mark.parametrize("raw", [None, 0, "x", [], [("remote_host", "h")], b"{}", object()])
+def test_release_target_of_non_dict_is_none(raw):
+    assert release_target(raw) is None
+
+
+@pytest.mark.parametrize("key", list(TARGET))
+def test_release_target_deeply_nested_field_is_none(key):
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert release_target(_params(**{key: deep})) is None
+
+
+def expected_release_target(raw: dict) -> ReleaseTarget | None:
+    """Oracle: the four fields present with their exact types, a TCP port and a host."""
+    values = {k: raw.get(k) for k in TARGET}
+    port = values["remote_port"]
+    if not all(type(values[k]) is str for k in TARGET if k != "remote_port"):
+        return None
+    if type(port) is not int or not 0 < port < 65536 or not values["remote_host"]:
+        return None
+    return ReleaseTarget(**values)
+
+
+field_junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**64), 2**64),
+    st.integers(-2, 65537),
+    st.floats(),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@st.composite
+def broken_params(draw):
+    """Valid params with some fields (target fields or others) replaced by junk or deleted;
+    replay_offset stays present (params without it are not pd_connector's: never released)."""
+    raw = _params()
+    keys = st.sampled_from(list(TARGET) + ["replay_offset", "pd_protocol_version", "remote_block_ids"])
+    for key in draw(st.lists(keys, max_size=3)):
+        if key != "replay_offset" and draw(st.booleans()):
+            raw.pop(key, None)
+        else:
+            raw[key] = draw(field_junk)
+    return raw
+
+
+@SETTINGS
+@given(broken_params())
+def test_release_target_matches_oracle_and_decoded_params(raw):
+    """Never raises; a target exactly when the four fields are usable; and whenever the params
+    decode as a whole, the same P and request as the decoded params."""
+    target = release_target(raw)
+    assert target == expected_release_target(raw)
+    try:
+        params = decode_handoff_params(raw)
+    except ProtocolError:
+        return
+    assert target == ReleaseTarget(
+        params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id
+    )
 
 
 def test_decode_handoff_params_block_id_bounds():
