@@ -1,7 +1,6 @@
 """Operator tooling against live vLLM CPU servers: `pd-connector check`, and the proxy's
 retries, health-based routing and metrics with dead upstreams in its pools."""
 
-import json
 import os
 import subprocess
 import sys
