@@ -23,17 +23,25 @@ class PageDigester:
             self._views[region.name] = (storage, storage.data_ptr(), kv_caches[region.name].device)
         self._regions = tuple(regions)
 
-    def digest(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> bytes:
-        """SHA-256 over the pages of ``group_blocks[g]`` for every layer of each group in
-        ``groups``, in region order (identical on P and D, see layout.check_matching)."""
-        h = hashlib.sha256()
+    def _pages(self, group_blocks, groups):
         for region in self._regions:
             if region.group not in groups:
                 continue
             storage, base, device = self._views[region.name]
             for block in group_blocks[region.group]:
-                offset = region.addr - base + block * region.block_stride
                 page = torch.empty(0, dtype=torch.uint8, device=device)
-                page.set_(storage, offset, (region.page_bytes,))
-                h.update(page.cpu().numpy().tobytes())
+                page.set_(storage, region.addr - base + block * region.block_stride, (region.page_bytes,))
+                yield page
+
+    def corrupt(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> None:
+        """Test-only fault injection: flip the first byte of each page."""
+        for page in self._pages(group_blocks, groups):
+            page[0] ^= 0xFF
+
+    def digest(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> bytes:
+        """SHA-256 over the pages of ``group_blocks[g]`` for every layer of each group in
+        ``groups``, in region order (identical on P and D, see layout.check_matching)."""
+        h = hashlib.sha256()
+        for page in self._pages(group_blocks, groups):
+            h.update(page.cpu().numpy().tobytes())
         return h.digest()

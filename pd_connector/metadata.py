@@ -30,6 +30,8 @@ class RecvTask:
     # What D claims from P before reading (P's offset and the block ids P sent).
     replay_offset: int = 0
     remote_block_ids: list[list[int]] | None = None
+    # Test-only fault injection (see scheduler.FAULT_CORRUPT_STATE).
+    corrupt_state: bool = False
 
 
 @dataclass

@@ -63,12 +63,14 @@ class Receiver:
         engine_id: str,
         compat: EngineCompat,
         state_digest: Callable[[list[list[int]]], bytes] | None,
+        corrupt_state: Callable[[list[list[int]]], None] | None = None,
     ):
         self.transport = transport
         self.settings = settings
         self.engine_id = engine_id
         self.compat = compat
         self._state_digest = state_digest
+        self._corrupt_state = corrupt_state
         self.recorder = Recorder()
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:
@@ -184,6 +186,8 @@ class Receiver:
                 continue
             self.transport.release(read.handle)
             del self._reads[request_id]
+            if read.task.corrupt_state and self._corrupt_state is not None:
+                self._corrupt_state([[d for _, d in g] for g in read.task.pairs])
             if state == FAILED:
                 self._fail(request_id, "NIXL reported the READ failed", "nixl")
                 self.release(_release_of(read.task))  # no completion notification will come

@@ -43,6 +43,8 @@ logger = logging.getLogger("vllm.pd_connector")
 # i.e. the silent desync of vLLM's implicit rule. The e2e negative controls use it to prove the
 # output oracle would catch a one-token desync; never enable it in production.
 FAULT_RESUME_SHIFT = "_pd_fault_resume_shift"
+# Likewise: D flips a byte of the recurrent state it received, as a corrupted transfer would.
+FAULT_CORRUPT_STATE = "_pd_fault_corrupt_state"
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
@@ -279,6 +281,7 @@ class SchedulerHalf:
             num_tokens=num_external_tokens,
             replay_offset=params.replay_offset,
             remote_block_ids=params.remote_block_ids,
+            corrupt_state=self._fault_injection and request.kv_transfer_params.get(FAULT_CORRUPT_STATE) is True,
         )
         self.recorder.count("handoff_accepted")
         self.recorder.observe("recompute_tokens", request.num_prompt_tokens - decision.offset)

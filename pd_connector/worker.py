@@ -94,8 +94,11 @@ class WorkerHalf:
             len(allocations),
             self.mem_type,
         )
-        digest = (lambda blocks: self._digester.digest(blocks, self.mamba_groups)) if self._digester else None
-        self.receiver = Receiver(self.transport, self.settings, self.engine_id, self.compat, digest)
+        digest = corrupt = None
+        if self._digester is not None:
+            digest = lambda blocks: self._digester.digest(blocks, self.mamba_groups)  # noqa: E731
+            corrupt = lambda blocks: self._digester.corrupt(blocks, self.mamba_groups)  # noqa: E731
+        self.receiver = Receiver(self.transport, self.settings, self.engine_id, self.compat, digest, corrupt)
         if self.is_producer:
             self.server = side_channel.SideChannelServer(
                 self.settings.side_channel_host,

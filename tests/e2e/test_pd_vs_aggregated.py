@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.scheduler import FAULT_RESUME_SHIFT
+from pd_connector.scheduler import FAULT_CORRUPT_STATE, FAULT_RESUME_SHIFT
 from pd_connector.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -71,6 +71,19 @@ def test_desynced_offset_is_caught_by_the_oracle(stack):
         params = {**stack.prefill_only(prompt), FAULT_RESUME_SHIFT: -1}
         caught += not check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} desyncs detected"
+
+
+def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
+    """With verify_state_digest on, a state page corrupted after the READ (test-only fault
+    injection on D) fails the digest check and D recomputes: aggregated output, counted."""
+    if "verify_state_digest" not in stack.config.extra_config:
+        pytest.skip("the digest runs on the hybrid stack configured with it")
+    prompt = random_prompt(90, seed=10)
+    ref = stack.reference(prompt, MAX_TOKENS)
+    before = stack.decode.log_text().count("differs from P's digest")
+    params = {**stack.prefill_only(prompt), FAULT_CORRUPT_STATE: True}
+    assert check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
+    assert stack.decode.log_text().count("differs from P's digest") == before + 1
 
 
 def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
