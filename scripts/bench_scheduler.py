@@ -344,7 +344,7 @@ def col_name(r: dict) -> str:
 def print_tables(results: list[dict]) -> str:
     cols = [col_name(r) for r in results]
     labels = sorted({h for r in results for h in r["hooks"]}, key=lambda h: (not h.startswith("SchedulerHalf"), h))
-    w = 19
+    w = 21
     lines = [f"{'us per request':<46}" + "".join(f"{c:>{w}}" for c in cols), "-" * (46 + w * len(cols))]
     for label in labels:
         cells = []

@@ -1237,6 +1237,14 @@ def section_knobs(args) -> list[dict]:
                             raw = RawNixl(d_t, p_side, d_side, nbytes, dev_id)
                             if rnd == 0:  # zero once, so the first READ of each setting is verified
                                 d_side.buf.zero_()
+                            # Untimed READ first: a fresh agent pair connects its UCX endpoints
+                            # and unpacks remote keys on its first transfer (tens of ms).
+                            li, ri = d_t.plan(KEY, bpairs)
+                            read = read_skip_merge if cfg.get("skip_merge") else NixlTransport.read
+                            h = read(d_t, KEY, li, ri, f"w{rnd}".encode())
+                            wait_handle(d_t.state, h, timeout_s=args.knob_timeout)
+                            d_t.release(h)
+                            row["missing_notifications"] += 1 - min(1, drain(p_t, 1, 5.0))
                             t0 = time.perf_counter()
                             li, ri = d_t.plan(KEY, bpairs)
                             read = read_skip_merge if cfg.get("skip_merge") else NixlTransport.read
