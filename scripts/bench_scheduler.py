@@ -379,20 +379,29 @@ def plot(results: list[dict], path: str) -> None:
         return
     import numpy as np
 
-    cols = [col_name(r) for r in results]
-    labels = sorted({h for r in results for h in r["hooks"] if max(rr["hooks"].get(h, {}).get("us_per_request", 0) for rr in results) > 0.05})
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    cols = [col_name(r).replace(" (", "\n(") for r in results]
+    labels = sorted(
+        h for h in {h for r in results for h in r["hooks"]}
+        if max(rr["hooks"].get(h, {}).get("us_per_request", 0) for rr in results) > 0.05
+    )
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     xs = np.arange(len(results))
     bottom = np.zeros(len(results))
     for i, label in enumerate(labels):
         vals = np.array([r["hooks"].get(label, {}).get("us_per_request", 0) for r in results])
-        ax.bar(xs - 0.2, vals, 0.4, bottom=bottom, label=label.split(".")[-1], color=f"C{i % 10}")
+        ax1.bar(xs, vals, 0.6, bottom=bottom, label=label.split(".")[-1], color=f"C{i % 10}")
         bottom += vals
-    ax.bar(xs + 0.2, [r["vllm_us_per_request"] for r in results], 0.4, color="grey", label="vLLM scheduler own")
-    ax.set_xticks(xs, cols)
-    ax.set_ylabel("µs per request")
-    ax.set_title(f"Scheduler-side cost, {results[0]['requests']} concurrent requests (left: our hooks; right: vLLM)")
-    ax.legend(fontsize=7)
+    ax1.set_xticks(xs, cols, fontsize=7)
+    ax1.set_ylabel("µs per request")
+    ax1.set_title("pd_connector hooks (stacked)", fontsize=10)
+    ax1.legend(fontsize=7)
+    ax2.bar(xs - 0.2, [r["connector_us_per_request"] for r in results], 0.4, label="pd_connector hooks", color="C0")
+    ax2.bar(xs + 0.2, [r["vllm_us_per_request"] for r in results], 0.4, label="vLLM scheduler own", color="0.4")
+    ax2.set_yscale("log")
+    ax2.set_xticks(xs, cols, fontsize=7)
+    ax2.set_ylabel("µs per request (log)")
+    ax2.set_title(f"ours vs vLLM, {results[0]['requests']} concurrent requests", fontsize=10)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

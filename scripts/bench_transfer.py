@@ -1182,8 +1182,9 @@ def read_skip_merge(d_t: NixlTransport, key, local_idx, remote_idx, notif):
 def section_knobs(args) -> list[dict]:
     """One P/D agent pair per setting, alive one at a time (every agent runs its own progress
     threads, so keeping a dozen pairs alive would slow all of them). The memory of every knob
-    case is built once and shared; the settings run round-robin, ``--warmup`` + ``--reps``
-    rounds, one connector READ and one raw READ per case per round, so load drift on the box
+    case is built once and shared; the settings run round-robin in a rotating order,
+    ``--warmup`` + ``--reps`` rounds, per case one untimed READ (a fresh pair connects on its
+    first transfer), one timed connector READ and one raw READ, so load drift on the box
     spreads over all settings. Best round per setting and case is kept."""
     device = torch.device(args.device)
     mem_type = "VRAM" if device.type == "cuda" else "DRAM"
@@ -1215,7 +1216,8 @@ def section_knobs(args) -> list[dict]:
     }
     for rnd in range(args.warmup + args.reps):
         t_round = time.monotonic()
-        for cfg in configs:
+        # Rotate the order every round: no setting is always the one right after agent churn.
+        for cfg in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
             row = rows[cfg["name"]]
             if "error" in row:
                 continue
