@@ -134,7 +134,8 @@ def run_step(scheduler: Scheduler, *, token: int = 7, kv_output: KVConnectorOutp
     sampled = []
     for rid in req_ids:
         req = scheduler.requests[rid]
-        done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
+        # schedule() has already advanced num_computed_tokens by the scheduled chunk.
+        done = req.num_computed_tokens >= req.num_tokens
         sampled.append([token] if done else [])
     mro = ModelRunnerOutput(
         req_ids=req_ids,
