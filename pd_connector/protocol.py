@@ -68,6 +68,31 @@ class HandoffParams(msgspec.Struct, frozen=True):
 
 
 
+def encode_handoff_params(
+    offset: int, source: list[list[int]], *, engine_id: str, request_id: str, host: str, port: int
+) -> dict:
+    """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
+    kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
+    work unchanged, plus ``replay_offset`` and the protocol version."""
+    return {
+        "do_remote_prefill": offset > 0,
+        "do_remote_decode": False,
+        "remote_block_ids": source,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": offset,
+        "remote_blocks_expiry_time": None,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
+        KEY_REPLAY_OFFSET: offset,
+        KEY_VERSION: PROTOCOL_VERSION,
+    }
+
+
 def decode_handoff_params(raw: object) -> HandoffParams:
     """Validate D's incoming ``kv_transfer_params``; raise ``ProtocolError`` naming the field."""
     if not isinstance(raw, dict):

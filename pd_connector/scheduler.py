@@ -26,9 +26,7 @@ from pd_connector.metrics import Recorder
 from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease
 from pd_connector.protocol import (
     KEY_MIN_RECOMPUTE,
-    KEY_REPLAY_OFFSET,
-    KEY_VERSION,
-    PROTOCOL_VERSION,
+    encode_handoff_params,
     release_target,
 )
 from pd_connector.vllm_compat import layouts_from_kv_cache_config, profile_from_vllm
@@ -188,25 +186,14 @@ class SchedulerHalf:
         return True, out
 
     def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
-        # NixlConnector's fields (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
-        # pull_scheduler.py request_finished) so existing routers work unchanged, plus ours.
-        return {
-            "do_remote_prefill": offset > 0,
-            "do_remote_decode": False,
-            "remote_block_ids": source,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.settings.side_channel_host,
-            "remote_port": self.settings.side_channel_port,
-            "remote_num_tokens": offset,
-            "remote_blocks_expiry_time": None,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "transfer_mode": "pull",
-            KEY_REPLAY_OFFSET: offset,
-            KEY_VERSION: PROTOCOL_VERSION,
-        }
+        return encode_handoff_params(
+            offset,
+            source,
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port,
+        )
 
     # -- D ---------------------------------------------------------------------------------
 

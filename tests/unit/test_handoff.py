@@ -20,6 +20,7 @@ from pd_connector.handoff import (
     min_recompute_tokens,
 )
 from pd_connector.protocol import (
+    encode_handoff_params,
     KEY_MIN_RECOMPUTE,
     KEY_REPLAY_OFFSET,
     KEY_VERSION,
@@ -75,25 +76,8 @@ def returned_params(
     host: str = "127.0.0.1",
     port: int = 5660,
 ) -> dict:
-    """The dict ``pd_connector/scheduler.py::SchedulerHalf._returned_params`` builds (mirrored
-    here because the scheduler module is the vLLM adapter and is not imported by unit tests)."""
-    return {
-        "do_remote_prefill": offset > 0,
-        "do_remote_decode": False,
-        "remote_block_ids": source,
-        "remote_engine_id": engine_id,
-        "remote_request_id": request_id,
-        "remote_host": host,
-        "remote_port": port,
-        "remote_num_tokens": offset,
-        "remote_blocks_expiry_time": None,
-        "tp_size": 1,
-        "dcp_size": 1,
-        "pp_size": 1,
-        "transfer_mode": "pull",
-        KEY_REPLAY_OFFSET: offset,
-        KEY_VERSION: PROTOCOL_VERSION,
-    }
+    """The dict P returns (the scheduler calls the same function)."""
+    return encode_handoff_params(offset, source, engine_id=engine_id, request_id=request_id, host=host, port=port)
 
 
 def valid_params(offset: int = 10, **overrides) -> dict:
