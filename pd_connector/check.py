@@ -1,6 +1,7 @@
 """``pd-connector check``: does this P/D pair hand a prompt over correctly?
 
-Talks to the two vLLM servers directly (not through a proxy), with the standard library only:
+Talks to the two vLLM servers directly (not through a proxy), with the standard library only
+(``check_client``):
 
 1. both answer ``/health`` and ``/v1/models`` and serve the same model;
 2. one prefill on P with ``do_remote_decode`` and a token-id prompt of N tokens; P must return
@@ -17,25 +18,27 @@ none.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import math
-import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pd_connector.protocol import PREFILL_REQUEST_PARAMS, KEY_REPLAY_OFFSET, KEY_VERSION, PROTOCOL_VERSION
+from pd_connector.check_client import (
+    DEFAULT_TIMEOUT_S,
+    Generation,
+    http_request,
+    parse_generation,
+    read_events,
+)
+from pd_connector.protocol import KEY_REPLAY_OFFSET, KEY_VERSION, PREFILL_REQUEST_PARAMS, PROTOCOL_VERSION
+from pd_connector.proxy_bodies import normalize_url
 
 logger = logging.getLogger("pd_connector.check")
 
 DEFAULT_PROMPT_TOKENS = 64
-DEFAULT_TIMEOUT_S = 120.0
 MAX_TOKENS = 8
 # A differing greedy token is put down to numerical noise when D's own top-2 logprobs at that
 # position (computing the prompt itself) are closer than this (bf16 noise is ~4e-3).
@@ -47,92 +50,12 @@ PREFILL_KV_PARAMS = PREFILL_REQUEST_PARAMS
 _PRODUCER_CONFIG = ('--kv-transfer-config \'{"kv_connector":"PDConnector",'
                     '"kv_connector_module_path":"pd_connector.connector","kv_role":"kv_producer",'
                     '...}\'')
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
 def make_prompt(n: int) -> list[int]:
     """A deterministic token-id prompt of ``n`` ids in [4, 999] (clear of special tokens)."""
     return [4 + (i * 389 + 17) % 996 for i in range(n)]
-
-
-@dataclass
-class Answer:
-    status: int | None  # None: no HTTP answer at all
-    data: Any = None  # parsed JSON, or None
-    text: str = ""
-    elapsed_s: float = 0.0
-    error: str | None = None  # why there was no answer
-
-    def message(self) -> str:
-        """Short description of a failed answer: the server's own error message if it sent one."""
-        if self.status is None:
-            return self.error or "no answer"
-        err = self.data.get("error") if isinstance(self.data, dict) else None
-        if isinstance(err, dict) and err.get("message"):
-            text = str(err["message"])
-        elif isinstance(self.data, dict) and self.data.get("message"):
-            text = str(self.data["message"])
-        else:
-            text = self.text
-        return f"HTTP {self.status}: {text.strip()[:300]}"
-
-
-def _http(url: str, body: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> Answer:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except urllib.error.URLError as e:
-        reason = e.reason
-        if isinstance(reason, ConnectionRefusedError):
-            why = "connection refused"
-        elif isinstance(reason, TimeoutError) or "timed out" in str(reason):
-            why = f"no answer within {timeout:g} s"
-        else:
-            why = str(reason)
-        return Answer(None, error=why, elapsed_s=time.monotonic() - t0)
-    except (TimeoutError, OSError, http.client.HTTPException) as e:  # e.g. a read timeout
-        why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else (
-            f"{type(e).__name__}: {e}")
-        return Answer(None, error=why, elapsed_s=time.monotonic() - t0)
-    elapsed = time.monotonic() - t0
-    text = raw.decode("utf-8", "replace")
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None
-    return Answer(status, parsed, text, elapsed)
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    top: list[dict[int, float]]  # per position: token id -> logprob (empty if not returned)
-    text: str
-
-
-def _parse_generation(data: Any) -> Generation | None:
-    try:
-        choice = data["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        return None
-    ids = choice.get("token_ids")
-    lp = choice.get("logprobs") or {}
-    top: list[dict[int, float]] = []
-    try:
-        for step in lp.get("top_logprobs") or []:
-            top.append({int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (step or {}).items()})
-        if ids is None and lp.get("tokens"):
-            ids = [int(str(t).rsplit(":", 1)[-1]) for t in lp["tokens"]]
-    except ValueError:
-        top = []
-    return Generation([int(t) for t in ids or []], top, str(choice.get("text") or ""))
 
 
 @dataclass
@@ -170,37 +93,9 @@ class CheckReport:
         return "\n".join(lines)
 
 
-_EVENT_RE = re.compile(r'^vllm:pd_events_total\{([^}]*)\}\s+(\S+)', re.M)
-_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_pd_events(text: str) -> dict[str, float]:
-    """``vllm:pd_events_total`` samples summed by their ``event`` label."""
-    out: dict[str, float] = {}
-    for labels, value in _EVENT_RE.findall(text):
-        event = dict(_LABEL_RE.findall(labels)).get("event")
-        if event is not None:
-            try:
-                out[event] = out.get(event, 0.0) + float(value)
-            except ValueError:
-                continue
-    return out
-
-
-def _read_events(url: str, timeout: float) -> dict[str, float] | None:
-    ans = _http(url + "/metrics", timeout=min(timeout, 10.0))
-    if ans.status != 200:
-        return None
-    return parse_pd_events(ans.text)
-
 
 def _host(url: str) -> str:
     return (urllib.parse.urlsplit(url).hostname or "").lower()
-
-
-def normalize_url(url: str) -> str:
-    url = url.strip()
-    return ("http://" + url if "://" not in url else url).rstrip("/")
 
 
 def run_check(
@@ -221,7 +116,7 @@ def run_check(
     served: dict[str, list[str]] = {}
     for role, url in (("P", p_url), ("D", d_url)):
         say(f"{role}: GET {url}/health")
-        health = _http(url + "/health", timeout=min(timeout, 10.0))
+        health = http_request(url + "/health", timeout=min(timeout, 10.0))
         if health.status is None:
             rep.problems.append(
                 f"{role} at {url} is not reachable ({health.error}): check that its vLLM server "
@@ -236,7 +131,7 @@ def run_check(
             rep.problems.append(
                 f"{role} at {url} answered /health with HTTP {health.status}: its engine is not "
                 "ready or has died; see that server's log")
-        models = _http(url + "/v1/models", timeout=min(timeout, 10.0))
+        models = http_request(url + "/v1/models", timeout=min(timeout, 10.0))
         ids = [m.get("id") for m in (models.data or {}).get("data", []) if isinstance(m, dict)] \
             if isinstance(models.data, dict) else []
         if models.status != 200 or not ids:
@@ -273,7 +168,7 @@ def run_check(
 
     # 2. prefill on P
     say(f"P: prefill of {prompt_tokens} tokens")
-    p_ans = _http(p_url + "/v1/completions", {
+    p_ans = http_request(p_url + "/v1/completions", {
         **base, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS),
         "cache_salt": f"pdcheck-{salt}-handoff"}, timeout)
     params: dict | None = None
@@ -292,9 +187,9 @@ def run_check(
                 "return_token_ids": True, "return_tokens_as_token_ids": True}
     handoff: Generation | None = None
     if params is not None:
-        before = _read_events(d_url, timeout)
+        before = read_events(d_url, timeout)
         say("D: decode with P's kv_transfer_params")
-        ans = _http(d_url + "/v1/completions", {
+        ans = http_request(d_url + "/v1/completions", {
             **gen_body, "kv_transfer_params": params, "cache_salt": f"pdcheck-{salt}-handoff"},
             timeout)
         if ans.status != 200:
@@ -303,13 +198,13 @@ def run_check(
                 "(a load failure with load_failure_policy 'fail' ends this way)")
         else:
             rep.d_ms_handoff = ans.elapsed_s * 1e3
-            handoff = _parse_generation(ans.data)
+            handoff = parse_generation(ans.data)
             if handoff is None:
                 rep.problems.append(f"D's answer is not a completion: {ans.text[:200]}")
             if KEY_REPLAY_OFFSET in params:  # else the problem is already named, once
                 _check_events(rep, d_url, before, timeout)
     say("D: the same decode without kv_transfer_params")
-    ans = _http(d_url + "/v1/completions", {**gen_body, "cache_salt": f"pdcheck-{salt}-plain"},
+    ans = http_request(d_url + "/v1/completions", {**gen_body, "cache_salt": f"pdcheck-{salt}-plain"},
                 timeout)
     plain: Generation | None = None
     if ans.status != 200:
@@ -317,7 +212,7 @@ def run_check(
                             "this model or prompt on its own; see D's log")
     else:
         rep.d_ms_plain = ans.elapsed_s * 1e3
-        plain = _parse_generation(ans.data)
+        plain = parse_generation(ans.data)
         if plain is None:
             rep.problems.append(f"D's answer is not a completion: {ans.text[:200]}")
 
@@ -384,7 +279,7 @@ def _check_events(rep: CheckReport, d_url: str, before: dict | None, timeout: fl
     deadline = time.monotonic() + METRICS_WAIT_S
     delta: dict[str, float] = {}
     while True:
-        after = _read_events(d_url, timeout) or {}
+        after = read_events(d_url, timeout) or {}
         delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
         if delta or time.monotonic() >= deadline:
             break

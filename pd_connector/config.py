@@ -29,6 +29,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_num_threads: int = 0
+    # NIXL's UCX progress thread (NIXL's and vLLM's default). It polls even when idle: about a
+    # quarter of a core per instance on the 2-core CI box, where the tests turn it off.
+    nixl_progress_thread: bool = True
+    # Over DRAM, D posts a READ in slices of at most this many MiB, one per engine-step hook,
+    # because UCX copies inside the post call (it would block D's engine thread for the whole
+    # copy). 0: one post per request. Ignored over VRAM (posts there are asynchronous).
+    nixl_read_chunk_mib: int = 32
     # Shared secret authenticating side-channel peers (HMAC-SHA256 over every message), read from
     # this file or from the PD_CONNECTOR_SHARED_SECRET environment variable; never from the
     # config itself, because vLLM logs kv_connector_extra_config verbatim at start-up.
@@ -56,6 +63,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        if self.nixl_read_chunk_mib < 0:
+            raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
         if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):

@@ -52,8 +52,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
         else:
+            from pd_connector.nixl_backends import check_backends
             from pd_connector.worker import WorkerHalf
 
+            # Before any NIXL agent or socket exists: NIXL itself only warns about a missing
+            # plugin and every transfer would fail later.
+            check_backends(self.settings.nixl_backends)
             self._worker = WorkerHalf(vllm_config, kv_cache_config, self.settings)
 
     # -- scheduler side --------------------------------------------------------------------
@@ -68,7 +72,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         # A P/D handoff restores every transfer group, not only the prefix-cacheable ones.
-        return tuple(self._kv_cache_config.transfer_group_ids)
+        # SchedulerHalf keeps them: KVCacheConfig.transfer_group_ids rebuilds the tuple per call.
+        return self._scheduler.group_ids
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -133,4 +138,10 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # vLLM's engine core asks this (resolve_kv_cache_layout, vllm/v1/engine/core.py
+        # _initialize_kv_caches) before it builds the KV-cache groups: the first point where we
+        # see the config. Refuse what vLLM would otherwise fail on with an unrelated message
+        # (a hybrid model without the hybrid KV-cache manager) here, not in __init__, which
+        # runs only after the KV cache exists.
+        check_supported(vllm_config)
         return None  # pages are copied byte for byte; any layout both sides share works

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pd_connector.layout import state_rows_only
 from pd_connector.protocol import LayerRegion
 
 
@@ -19,9 +20,12 @@ class PageDigester:
     def __init__(self, kv_caches: dict, regions: Sequence[LayerRegion]):
         self._views = {}
         for region in regions:
-            storage = kv_caches[region.name].untyped_storage()
-            self._views[region.name] = (storage, storage.data_ptr(), kv_caches[region.name].device)
-        self._regions = tuple(regions)
+            tensor = kv_caches[region.name.partition("#")[0]]  # a Mamba state region: "layer#i"
+            storage = tensor.untyped_storage()
+            self._views[region.name] = (storage, storage.data_ptr(), tensor.device)
+        # Only the rows that hold the state: an engine with another speculative token count
+        # has a wider conv state whose scratch rows P never sends (layout.reconcile_regions).
+        self._regions = tuple(state_rows_only(r) for r in regions)
 
     def _pages(self, group_blocks, groups):
         for region in self._regions:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
-@dataclass
+# slots: one of these per handoff, built inside vLLM's scheduling step (P: SendLease, D: RecvTask).
+@dataclass(slots=True)
 class SendLease:
     """P: blocks of a finished request held for D until ``deadline`` (time.monotonic)."""
 
@@ -16,7 +18,7 @@ class SendLease:
     block_ids: list[list[int]]
 
 
-@dataclass
+@dataclass(slots=True)
 class RecvTask:
     """D: read these block pairs from P. ``pairs`` None = the handoff could not be paired;
     the worker reports the load failed so vLLM recomputes the prompt."""
@@ -25,7 +27,9 @@ class RecvTask:
     remote_host: str
     remote_port: int
     remote_request_id: str
-    pairs: list[list[tuple[int, int]]] | None
+    # Per group, (P block, D block) pairs: lists of tuples or pairing.BlockPairs (the
+    # scheduler's; same sequence behaviour, no tuple per block).
+    pairs: list[Sequence[tuple[int, int]]] | None
     num_tokens: int
     # What D claims from P before reading (P's offset and the block ids P sent).
     replay_offset: int = 0

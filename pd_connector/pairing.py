@@ -103,6 +103,55 @@ def select_source_blocks(
     return out
 
 
+class BlockPairs:
+    """One group's ``(P block, D block)`` pairs, held as two equal-length id lists.
+
+    D pairs every handoff inside vLLM's scheduling step; building these from two list slices
+    instead of one tuple per block is what keeps long prompts cheap there (see
+    ``pd_connector.benchmarks.scheduler``). It reads as the sequence of pairs (``len``,
+    iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
+    ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
+    """
+
+    __slots__ = ("remote", "local")
+
+    def __init__(self, remote: list[int], local: list[int]):
+        if len(remote) != len(local):
+            raise PairingError(f"{len(remote)} P blocks for {len(local)} D blocks")
+        self.remote = remote
+        self.local = local
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def __iter__(self):
+        return zip(self.remote, self.local)
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return self.remote[i], self.local[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockPairs):
+            return self.remote == other.remote and self.local == other.local
+        try:
+            return list(self) == list(other)  # type: ignore[call-overload]
+        except TypeError:
+            return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable lists inside
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.array([self.remote, self.local], dtype=dtype).T.reshape(len(self), 2)
+
+    def __reduce__(self):
+        return BlockPairs, (self.remote, self.local)
+
+    def __repr__(self) -> str:
+        return f"BlockPairs({list(self)!r})"
+
+
 def pair_blocks(
     layouts: tuple[GroupLayout, ...],
     remote_ids: list[list[int]],
@@ -110,6 +159,17 @@ def pair_blocks(
     offset: int,
     local_hit: int,
 ) -> list[list[tuple[int, int]]]:
+    """``pair_block_lists`` as plain lists of ``(P block, D block)`` tuples."""
+    return [list(group_pairs) for group_pairs in pair_block_lists(layouts, remote_ids, local_ids, offset, local_hit)]
+
+
+def pair_block_lists(
+    layouts: tuple[GroupLayout, ...],
+    remote_ids: list[list[int]],
+    local_ids: tuple[list[int], ...],
+    offset: int,
+    local_hit: int,
+) -> list[BlockPairs]:
     """D side: ``(P block, D block)`` pairs per group for a load of tokens [local_hit, offset).
 
     ``remote_ids`` is what P sent (``select_source_blocks``); ``local_ids`` is D's per-group
@@ -124,7 +184,7 @@ def pair_blocks(
         )
     if not 0 <= local_hit < offset:
         raise PairingError(f"nothing to load: local hit {local_hit}, offset {offset}")
-    pairs: list[list[tuple[int, int]]] = []
+    pairs: list[BlockPairs] = []
     for group, (layout, remote, local) in enumerate(zip(layouts, remote_ids, local_ids)):
         if layout.kind == MAMBA:
             pairs.append(_pair_mamba(group, layout, remote, list(local)))
@@ -134,7 +194,7 @@ def pair_blocks(
             raise PairingError(
                 f"group {group}: D allocated {len(local)} blocks for {offset} tokens"
             )
-        if any(b <= NULL_BLOCK for b in remote):
+        if remote and min(remote) <= NULL_BLOCK:
             raise PairingError(f"group {group}: P sent a null or negative block id: {remote}")
         # Position of remote[0] in the token sequence (sliding windows send only the window).
         base = window_first_block(layout, offset) if layout.kind == SLIDING_WINDOW else 0
@@ -142,21 +202,26 @@ def pair_blocks(
             raise PairingError(
                 f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {n - base}"
             )
-        group_pairs = []
-        for pos in range(max(local_hit // layout.block_size, base), n):
-            if local[pos] == NULL_BLOCK:
-                raise PairingError(f"group {group}: D's block table has a null at {pos}: {local}")
-            group_pairs.append((remote[pos - base], local[pos]))
-        pairs.append(group_pairs)
+        pairs.append(_pair_positions(group, remote, local, base, max(local_hit // layout.block_size, base), n))
     return pairs
 
 
-def _pair_mamba(
-    group: int, layout: GroupLayout, remote: list[int], local: list[int]
-) -> list[tuple[int, int]]:
+def _pair_positions(
+    group: int, remote: list[int], local: list[int], base: int, first: int, end: int
+) -> BlockPairs:
+    """``(remote[pos - base], local[pos])`` for ``pos`` in ``[first, end)``: two slices, no
+    Python loop per block (a 4k-token prompt has hundreds of blocks per group)."""
+    targets = local[first:end]
+    if NULL_BLOCK in targets:
+        pos = first + targets.index(NULL_BLOCK)
+        raise PairingError(f"group {group}: D's block table has a null at {pos}: {local}")
+    return BlockPairs(remote[first - base : end - base], targets)
+
+
+def _pair_mamba(group: int, layout: GroupLayout, remote: list[int], local: list[int]) -> BlockPairs:
     if len(remote) != 1 or remote[0] <= NULL_BLOCK:
         raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
     slot = mamba_state_slot(layout, local)
     if slot is None:
         raise PairingError(f"group {group}: D has no Mamba state slot in {local}")
-    return [(remote[0], slot)]
+    return BlockPairs([remote[0]], [slot])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import reprlib
+from typing import Annotated
 
 import msgspec
 
@@ -35,6 +36,10 @@ PREFILL_REQUEST_PARAMS: dict = {
 }
 
 MAX_BLOCK_ID = 2**31 - 1
+# A block id P may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
+# Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
+# step, and a long prompt carries hundreds of ids; see pd_connector.benchmarks.scheduler).
+BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
 
 # Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -62,7 +67,7 @@ class HandoffParams(msgspec.Struct, frozen=True):
     remote_port: int
     # One list per KV-cache transfer group of P, in group order: P's block ids carrying KV of
     # [0, replay_offset) (attention) or the recurrent state at replay_offset (Mamba).
-    remote_block_ids: list[list[int]]
+    remote_block_ids: list[list[BlockId]]
     do_remote_prefill: bool = True
     remote_num_tokens: int | None = None
 
@@ -159,23 +164,22 @@ def _check_ranges(params: HandoffParams) -> None:
         raise ProtocolError(
             "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
         )
-    for group, ids in enumerate(params.remote_block_ids):
-        if any(not 0 < b < MAX_BLOCK_ID for b in ids):
-            # Block 0 is vLLM's null block; NIXL descriptor indices are int32.
-            raise ProtocolError(
-                "malformed",
-                f"remote_block_ids[{group}] holds a null, negative or out-of-range block id: {ids}",
-            )
+    # Block ids are range-checked by msgspec.convert (BlockId).
 
 
 # --- side channel -----------------------------------------------------------------------------
 
 
 class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
-    """Where one layer's per-block pages live in an engine's memory.
+    """Where one layer's per-block pages (or one recurrent state of a Mamba layer) live.
 
     Page of block b: ``[addr + b * block_stride, + page_bytes)``. Derived from vLLM's
-    ``KVCacheTensor`` placement, so it is exact for every layout vLLM allocates.
+    ``KVCacheTensor`` placement, so it is exact for every layout vLLM allocates. A Mamba layer
+    contributes one region per state (``name#i``), because the width of its conv state depends
+    on the engine's speculative token count (``conv_kernel - 1 + num_spec`` rows, see
+    ``MambaStateShapeCalculator`` in vLLM), which moves every later state inside the page.
+    ``rows`` is the state's leading dimension and ``scratch_rows`` the engine's speculative token
+    count; ``layout.reconcile_regions`` uses them to copy only the rows both engines hold.
     """
 
     name: str
@@ -184,6 +188,8 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     block_stride: int
     page_bytes: int
     num_blocks: int
+    rows: int = 0
+    scratch_rows: int = 0
 
 
 class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -205,9 +211,10 @@ class EngineCompat(msgspec.Struct, frozen=True):
     conv_state_layout: str
     tensor_parallel_size: int
     device: str
-    # EAGLE/MTP method and draft model ("none" without drafting): a D that drafts needs the
-    # drafter's KV for the prefix, which only a P running the same drafter computed. The token
-    # count may differ (the replay offset absorbs that).
+    # Method and draft model of a drafter with its own KV cache (EAGLE/EAGLE3/MTP/draft model;
+    # "none" without one, e.g. ngram): a D that drafts needs the drafter's KV for the prefix,
+    # which only a P running the same drafter computed. The token count may differ (the replay
+    # offset absorbs that).
     speculative: str = "none"
 
 

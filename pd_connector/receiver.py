@@ -4,7 +4,10 @@
   every request waiting on it and is retried by later requests.
 - claim: P confirms the offset and block ids match its lease and extends it (background
   thread); refused claims fail the request *before* any byte is read.
-- READ: one prepared NIXL transfer (engine thread), its notification tells P to free.
+- READ: one prepared NIXL transfer (engine thread) posted in slices of at most
+  ``nixl_read_chunk_mib`` over DRAM (one slice per ``advance()`` call, so a big READ never holds
+  the engine thread for more than a slice's copy); the notification rides on the last slice
+  and tells P to free.
 - optional digest check of the recurrent state after the READ.
 
 Outcomes are per request: ``finished`` or ``failed`` (the scheduler recomputes failed ones).
@@ -18,9 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
-from pd_connector import side_channel
+from pd_connector import layout, side_channel
 from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask
 from pd_connector.metrics import Recorder
@@ -36,14 +38,17 @@ from pd_connector.protocol import (
     Welcome,
     compat_differences,
 )
-from pd_connector.transport import DONE, FAILED, NixlTransport
+from pd_connector.transport import FAILED, PENDING, ChunkedRead, NixlTransport
 
 logger = logging.getLogger("vllm.pd_connector")
 
 
+MiB = 1 << 20
+
+
 @dataclass
 class _Read:
-    handle: Any
+    xfer: ChunkedRead
     task: RecvTask
     started: float
     descriptors: int
@@ -72,6 +77,8 @@ class Receiver:
         self._state_digest = state_digest
         self._corrupt_state = corrupt_state
         self.recorder = Recorder()
+        # Over VRAM a post is asynchronous: slicing would only add round trips.
+        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB if transport.mem_type == "DRAM" else 0
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:
             self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
@@ -129,7 +136,11 @@ class Receiver:
             del self._handshakes[key]
             try:
                 welcome, seconds = future.result()
-                self.transport.add_peer(key, welcome.agent_metadata, welcome.regions)
+                self.transport.add_peer(
+                    key, welcome.agent_metadata, welcome.regions, agent_name=welcome.agent_name
+                )
+                # Connect now, while this request's claim is in flight, not in its first READ.
+                self.transport.connect(key)
                 self.recorder.observe("handshake_seconds", seconds)
                 self._peer_errors.pop(key, None)
                 logger.info("pd_connector: connected to prefill engine %s", key)
@@ -167,29 +178,33 @@ class Receiver:
                     self.release(_release_of(task))
                     self.finished.add(request_id)
                     continue
-                handle = self.transport.read(
-                    task.remote_engine_id, local_idx, remote_idx, task.remote_request_id.encode()
-                )
+                key = task.remote_engine_id
+                bounds = layout.chunk_bounds(self.transport.descriptor_bytes(key, local_idx), self._chunk_bytes)
+                xfer = ChunkedRead(self.transport, key, local_idx, remote_idx, task.remote_request_id.encode(), bounds)
+                runs = self.transport.count_runs(key, local_idx, remote_idx)
             except Exception as exc:
                 self._fail(request_id, str(exc), "post")
                 self.release(_release_of(task))  # nothing will be read: P may free now
                 continue
             nbytes = sum(len(pairs) * self._group_page_bytes.get(g, 0) for g, pairs in enumerate(task.pairs))
-            self._reads[request_id] = _Read(
-                handle, task, started, int(local_idx.size), granted.state_digest, nbytes
-            )
+            self._reads[request_id] = _Read(xfer, task, started, runs, granted.state_digest, nbytes)
 
     def _poll_reads(self) -> None:
+        # At most one slice posted per call over DRAM (the copy happens inside the post), oldest
+        # request first; over VRAM every READ posts at once.
+        budget = 1
         for request_id, read in list(self._reads.items()):
-            state = self.transport.state(read.handle)
-            if state not in (DONE, FAILED):
+            may_post = self._chunk_bytes == 0 or budget > 0
+            posted = read.xfer.next
+            state = read.xfer.advance(may_post)
+            budget -= read.xfer.next - posted
+            if state == PENDING:
                 continue
-            self.transport.release(read.handle)
             del self._reads[request_id]
             if read.task.corrupt_state and self._corrupt_state is not None:
                 self._corrupt_state([[d for _, d in g] for g in read.task.pairs])
             if state == FAILED:
-                self._fail(request_id, "NIXL reported the READ failed", "nixl")
+                self._fail(request_id, read.xfer.error, read.xfer.error_kind)
                 self.release(_release_of(read.task))  # no completion notification will come
             elif read.digest and self._state_digest is not None and (
                 self._state_digest([[d for _, d in g] for g in read.task.pairs]) != read.digest
@@ -279,4 +294,6 @@ class Receiver:
             logger.info("pd_connector: lease extension not delivered to %s:%d: %s", task.remote_host, task.remote_port, exc)
 
     def close(self) -> None:
+        for read in self._reads.values():
+            read.xfer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -52,6 +52,7 @@ class SchedulerHalf:
         self.engine_id = vllm_config.kv_transfer_config.engine_id
         self.profile = profile_from_vllm(vllm_config, kv_cache_config)
         self.group_ids = tuple(kv_cache_config.transfer_group_ids)
+        self._all_groups_transfer = self.group_ids == tuple(range(len(kv_cache_config.kv_cache_groups)))
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
         self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
@@ -65,6 +66,8 @@ class SchedulerHalf:
         self._to_recv: dict[str, RecvTask] = {}
         self._to_release: list[ReleaseTask] = []
         self._last_extend = time.monotonic()
+        # D: prefill engines a handoff was accepted from (one INFO line each).
+        self._peers_seen: set[str] = set()
         logger.info(
             "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
             "replay grid %d",
@@ -246,11 +249,12 @@ class SchedulerHalf:
             self._release(decision, "the local prefix cache covered the handoff")
             return
         local_ids = blocks.get_block_ids()
-        local_ids = tuple(local_ids[g] for g in self.group_ids)
+        if not self._all_groups_transfer:
+            local_ids = tuple(local_ids[g] for g in self.group_ids)
         local_hit = decision.offset - num_external_tokens
         params = decision.params
         try:
-            pairs = pairing.pair_blocks(
+            pairs = pairing.pair_block_lists(
                 self.layouts, params.remote_block_ids, local_ids, decision.offset, local_hit
             )
         except pairing.PairingError as exc:
@@ -270,17 +274,29 @@ class SchedulerHalf:
             remote_block_ids=params.remote_block_ids,
             corrupt_state=self._fault_injection and request.kv_transfer_params.get(FAULT_CORRUPT_STATE) is True,
         )
+        recompute = request.num_prompt_tokens - decision.offset
         self.recorder.count("handoff_accepted")
-        self.recorder.observe("recompute_tokens", request.num_prompt_tokens - decision.offset)
-        logger.info(
-            "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
-            "recomputing %d token(s)",
-            request.request_id,
-            num_external_tokens,
-            params.remote_engine_id,
-            decision.offset,
-            request.num_prompt_tokens - decision.offset,
-        )
+        self.recorder.observe("recompute_tokens", recompute)
+        # Per request at DEBUG only: formatting an INFO record on every handoff was the largest
+        # cost of this hook (pd_connector.benchmarks.scheduler). The figures are in the
+        # vllm:pd_recompute_tokens histogram and vllm:pd_events_total; operators get one INFO
+        # line per prefill engine, on its first handoff.
+        first = params.remote_engine_id not in self._peers_seen
+        if first or logger.isEnabledFor(logging.DEBUG):
+            self._peers_seen.add(params.remote_engine_id)
+            logger.log(
+                logging.INFO if first else logging.DEBUG,
+                "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
+                "recomputing %d token(s)%s",
+                request.request_id,
+                num_external_tokens,
+                params.remote_engine_id,
+                decision.offset,
+                recompute,
+                " (first handoff from this prefill engine; the next ones are logged at DEBUG)"
+                if first
+                else "",
+            )
 
     def _release(self, decision: handoff.Accepted, why: str) -> None:
         logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)

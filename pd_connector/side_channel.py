@@ -7,6 +7,7 @@ from its background thread, with a timeout, so a dead P costs D a timeout, never
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable
@@ -34,6 +35,27 @@ class SideChannelError(RuntimeError):
 _SOCKET_LIMIT = MAX_MESSAGE_BYTES + (1 << 20)
 
 
+def bind_error_message(host: str, port: int, exc: zmq.ZMQError) -> str:
+    """What to change when P's side channel cannot bind ``host:port`` (start-up refusal)."""
+    where = f"pd_connector: cannot bind the side channel to {host}:{port} ({exc.strerror})"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{where}: another process (a second prefill instance on this host?) holds the port. "
+            "Set side_channel_port in kv_connector_extra_config (or PD_CONNECTOR_SIDE_CHANNEL_PORT)"
+            " to a free port, one per prefill instance"
+        )
+    if exc.errno in (errno.EADDRNOTAVAIL, errno.ENODEV):
+        # libzmq reads a bind host that is not an IP address as a network interface name, hence
+        # ENODEV for host names.
+        return (
+            f"{where}: {host!r} is not an IP address of this machine. Set side_channel_host in "
+            "kv_connector_extra_config (or PD_CONNECTOR_SIDE_CHANNEL_HOST) to one of this "
+            "machine's IP addresses that the decode instances can reach (it is advertised to "
+            "them as remote_host)"
+        )
+    return f"{where}: check side_channel_host and side_channel_port in kv_connector_extra_config"
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -57,11 +79,7 @@ class SideChannelServer:
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
-            raise SideChannelError(
-                f"pd_connector: cannot bind the side channel to {host}:{port}: {exc}. Another "
-                "process (a second instance?) holds it; set kv_connector_extra_config "
-                "side_channel_port to a free port per prefill instance"
-            ) from None
+            raise SideChannelError(bind_error_message(host, port, exc)) from None
         self.address = (host, port)
         # Refused messages by ProtocolError kind (malformed, oversized, unauthenticated, ...).
         self.rejected: dict[str, int] = {}

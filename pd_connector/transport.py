@@ -37,14 +37,14 @@ def _import_nixl():
 
 
 class _Peer:
-    __slots__ = ("agent_name", "dlist", "offsets", "num_blocks", "regions")
+    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
 
-    def __init__(self, agent_name, dlist, regions: Sequence[LayerRegion]):
+    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist):
         self.agent_name = agent_name
         self.dlist = dlist
-        self.regions = tuple(regions)
-        self.offsets = layout.region_offsets(regions)
-        self.num_blocks = np.array([r.num_blocks for r in regions], dtype=np.int64)
+        self.rows = rows
+        self.local_rows = local_rows
+        self.local_dlist = local_dlist
 
 
 class NixlTransport:
@@ -56,11 +56,18 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
         name: str | None = None,
+        capture_telemetry: bool = False,
+        progress_thread: bool = True,
     ):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name or f"pd-{uuid.uuid4().hex[:12]}"
         self.mem_type = mem_type
-        config = nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            backends=list(backends),
+            num_threads=num_threads,
+            capture_telemetry=capture_telemetry,
+        )
         try:
             self._agent = nixl_agent(self.name, config)
         except Exception as exc:
@@ -70,10 +77,10 @@ class NixlTransport:
                 "that UCX_TLS (if set) keeps 'tcp' for active messages."
             ) from exc
         self._regions: tuple[LayerRegion, ...] = ()
-        self._local_dlist = None
-        self._local_offsets = np.zeros(0, dtype=np.int64)
-        self._local_blocks = np.zeros(0, dtype=np.int64)
-        self._regions_of_group: dict[int, np.ndarray] = {}
+        self._device_id = 0
+        # Local prepared lists, one per packing (the set of groups moved as packed spans); a
+        # peer whose layout packs fewer groups gets its own, prepared once.
+        self._local_lists: dict[tuple, tuple[layout.DescriptorRows, object]] = {}
         self._peers: dict[str, _Peer] = {}
         self._reg_descs = None
 
@@ -86,18 +93,22 @@ class NixlTransport:
         device_id: int = 0,
     ) -> None:
         """Register whole allocations ``(addr, nbytes, device)`` once, then prepare the local
-        descriptor list over every (layer, block) page."""
+        descriptor list (packed spans wherever this layout allows)."""
         reg = [(addr, size, dev, "") for addr, size, dev in allocations]
         self._reg_descs = self._agent.register_memory(reg, self.mem_type)
         self._regions = tuple(regions)
-        self._local_offsets = layout.region_offsets(regions)
-        self._local_blocks = np.array([r.num_blocks for r in regions], dtype=np.int64)
-        self._regions_of_group = layout.group_regions(regions)
-        self._local_dlist = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT",
-            layout.strided_descriptors(regions, device_id),
-            self.mem_type,
-        )
+        self._device_id = device_id
+        self._local_list(frozenset(layout.packed_layer_order(regions)), self._regions)
+
+    def _local_list(self, packed: frozenset[int], regions: tuple[LayerRegion, ...]):
+        # One prepared local list per (packing, page map): peers with the same speculative
+        # token count share it; a peer with another count gets its trimmed state regions.
+        key = (packed, regions)
+        if key not in self._local_lists:
+            rows = layout.descriptor_rows(regions, packed)
+            dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows.strided(self._device_id), self.mem_type)
+            self._local_lists[key] = (rows, dlist)
+        return self._local_lists[key]
 
     @property
     def regions(self) -> tuple[LayerRegion, ...]:
@@ -113,17 +124,37 @@ class NixlTransport:
         return key in self._peers
 
     def add_peer(
-        self, key: str, agent_metadata: bytes, regions: Sequence[LayerRegion], device_id: int = 0
+        self,
+        key: str,
+        agent_metadata: bytes,
+        regions: Sequence[LayerRegion],
+        device_id: int = 0,
+        agent_name: str = "",
     ) -> None:
         """Load a remote agent and prepare its descriptor list (once per peer)."""
-        layout.check_matching(self._regions, regions)
-        agent_name = self._agent.add_remote_agent(agent_metadata)
-        if isinstance(agent_name, bytes):
-            agent_name = agent_name.decode()
-        dlist = self._agent.prep_xfer_dlist(
-            agent_name, layout.strided_descriptors(regions, device_id), self.mem_type
-        )
-        self._peers[key] = _Peer(agent_name, dlist, regions)
+        local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        # A kv_both instance may hand a request to itself (a router that lists one instance in
+        # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
+        # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
+        if agent_name != self.name:
+            loaded = self._agent.add_remote_agent(agent_metadata)
+            agent_name = loaded.decode() if isinstance(loaded, bytes) else loaded
+        packed = layout.common_packing(local_regions, regions)
+        local_rows, local_dlist = self._local_list(packed, local_regions)
+        rows = layout.descriptor_rows(regions, packed)
+        dlist = self._agent.prep_xfer_dlist(agent_name, rows.strided(device_id), self.mem_type)
+        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist)
+
+    def connect(self, key: str) -> None:
+        """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
+        first READ does not pay for it; best effort (the first READ connects otherwise)."""
+        peer = self._peers[key]
+        if peer.agent_name == self.name:
+            return
+        try:
+            self._agent.make_connection(peer.agent_name)
+        except Exception as exc:  # pragma: no cover - depends on the backend
+            logger.info("pd_connector: pre-connecting to NIXL peer %s failed: %s", key, exc)
 
     def remove_peer(self, key: str) -> None:
         peer = self._peers.pop(key, None)
@@ -131,7 +162,8 @@ class NixlTransport:
             return
         try:
             self._agent.release_dlist_handle(peer.dlist)
-            self._agent.remove_remote_agent(peer.agent_name)
+            if peer.agent_name != self.name:
+                self._agent.remove_remote_agent(peer.agent_name)
         except Exception as exc:  # pragma: no cover - best effort during teardown
             logger.warning("pd_connector: removing NIXL peer %s failed: %s", key, exc)
 
@@ -142,26 +174,32 @@ class NixlTransport:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Descriptor indices (local, remote) for per-group (remote block, local block) pairs."""
         peer = self._peers[key]
-        return layout.descriptor_indices(
-            pairs,
-            self._regions_of_group,
-            self._local_offsets,
-            peer.offsets,
-            self._local_blocks,
-            peer.num_blocks,
-        )
+        return layout.plan_indices(pairs, peer.local_rows, peer.rows)
+
+    def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
+        """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
+        peer = self._peers[key]
+        return layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows)
+
+    def descriptor_bytes(self, key: str, local_idx: np.ndarray) -> np.ndarray:
+        return self._peers[key].local_rows.nbytes_of(local_idx)
 
     def read(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes):
-        """Post one READ (remote -> local) with a completion notification to the remote."""
+        """Post one READ (remote -> local) with a completion notification to the remote
+        (none when ``notif`` is empty)."""
         peer = self._peers[key]
         handle = self._agent.make_prepped_xfer(
-            "READ", self._local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
+            "READ", peer.local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
         )
         state = self._agent.transfer(handle)
         if state == FAILED:
             self.release(handle)
             raise RuntimeError("NIXL refused to post the READ")
         return handle
+
+    def merged_descriptors(self, handle) -> int:
+        """NIXL's own count of descriptors a posted READ moved (``capture_telemetry`` agents)."""
+        return int(self._agent.get_xfer_telemetry(handle).descCount)
 
     def state(self, handle) -> str:
         """DONE, PROC or ERR; an exception from NIXL counts as ERR."""
@@ -189,11 +227,71 @@ class NixlTransport:
         for key in list(self._peers):
             self.remove_peer(key)
         try:
-            if self._local_dlist is not None:
-                self._agent.release_dlist_handle(self._local_dlist)
+            for _, dlist in self._local_lists.values():
+                self._agent.release_dlist_handle(dlist)
             if self._reg_descs is not None:
                 self._agent.deregister_memory(self._reg_descs)
         except Exception as exc:  # pragma: no cover
             logger.warning("pd_connector: NIXL teardown failed: %s", exc)
-        self._local_dlist = None
+        self._local_lists = {}
         self._reg_descs = None
+
+
+class ChunkedRead:
+    """One request's READ, posted as consecutive slices of the planned descriptors, at most one
+    slice per ``advance()`` call, the completion notification on the last slice only (P must
+    not free its blocks before every slice landed).
+
+    Why: over DRAM, UCX copies inside ``transfer()`` (shared-memory cma), so one big READ holds
+    the calling thread -- D's engine thread -- for the whole copy (~100 ms for 256 MiB on a
+    small box). A slice bounds that. Over VRAM the post is asynchronous and the plan is one
+    slice. NIXL 1.5.1 agents are not thread-safe in their default sync mode, and its RW mode
+    serialises other calls behind a running ``transfer()`` (measured), so posting from a
+    helper thread would not help: every NIXL call stays on the engine thread.
+    """
+
+    def __init__(self, transport: NixlTransport, key: str, local_idx, remote_idx, notif: bytes, bounds):
+        self.transport, self.key, self.notif = transport, key, notif
+        self.local_idx, self.remote_idx = local_idx, remote_idx
+        self.bounds = list(bounds) or [(0, int(local_idx.size))]
+        self.next = 0  # index of the next slice to post
+        self.handle = None
+        self.error = ""
+        self.error_kind = ""  # "post" (NIXL refused a slice) or "nixl" (a slice failed)
+
+    @property
+    def slices(self) -> int:
+        return len(self.bounds)
+
+    def advance(self, may_post: bool = True) -> str:
+        """Poll the slice in flight; post the next one (when ``may_post``) once it is DONE.
+        Returns DONE when every slice is done, FAILED (see ``error``) or PENDING."""
+        if self.handle is not None:
+            state = self.transport.state(self.handle)
+            if state not in (DONE, FAILED):
+                return PENDING
+            self.transport.release(self.handle)
+            self.handle = None
+            if state == FAILED:
+                self.error, self.error_kind = "NIXL reported the READ failed", "nixl"
+                return FAILED
+        if self.next == len(self.bounds):
+            return DONE
+        if not may_post:
+            return PENDING
+        a, b = self.bounds[self.next]
+        last = self.next == len(self.bounds) - 1
+        try:
+            self.handle = self.transport.read(
+                self.key, self.local_idx[a:b], self.remote_idx[a:b], self.notif if last else b""
+            )
+        except Exception as exc:
+            self.error, self.error_kind = f"posting the READ failed: {exc}", "post"
+            return FAILED
+        self.next += 1
+        return PENDING
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.transport.release(self.handle)
+            self.handle = None

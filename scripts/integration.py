@@ -4,17 +4,23 @@ boundaries; P/D output compared with the baseline token by token; a table; non-z
 any mismatch.
 
   --device cpu   (default) tiny random-weight models built offline, vLLM CPU, float32
-  --device cuda  two GPUs (P and the baseline on GPU 0, D on GPU 1), a real hybrid from the hub
+  --device cuda  two GPUs (P and the baseline on GPU 0, D on GPU 1), real hybrids from the hub:
+                 by default ibm-granite/granite-4.0-h-tiny with prefix caching (Mamba align mode:
+                 the offset lies on the replay grid) and Qwen/Qwen3.5-0.8B with native MTP, once
+                 per speculative token count (--spec-tokens) and once skewed (P 1 token, D 3
+                 tokens: D refuses P's offset and recomputes, or, with --hint, the proxy passes
+                 D's requirement to P and the handoff is honoured).
 
 Examples:
   .venv/bin/python scripts/integration.py
-  python scripts/integration.py --device cuda --model ibm-granite/granite-4.0-h-tiny
-  python scripts/integration.py --device cuda --model Qwen/Qwen3.5-0.8B --block-size 32
+  python scripts/integration.py --device cuda
+  python scripts/integration.py --device cuda --models Qwen/Qwen3.5-0.8B --spec-tokens 1 3 --block-size 32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -36,28 +42,51 @@ def cpu_runs(args):
         yield kind, config, ATTENTION_BLOCK[kind], 1e-5, 1e-4
 
 
+MTP_MODELS = ("Qwen/Qwen3.5-0.8B",)
+
+
+def _cuda_config(args, model, tag, *, all_args=(), prefill_args=(), decode_args=(), proxy_args=()):
+    return StackConfig(
+        model=model,
+        served_model_name="model",
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        server_args=["--block-size", str(args.block_size), *all_args, *(args.vllm_arg or [])],
+        # P and the baseline share GPU 0; D has GPU 1 to itself. The baseline runs D's config.
+        baseline_args=["--gpu-memory-utilization", "0.4", *decode_args],
+        prefill_args=["--gpu-memory-utilization", "0.4", *prefill_args],
+        decode_args=["--gpu-memory-utilization", "0.8", *decode_args],
+        proxy_args=list(proxy_args),
+        device="cuda",
+        baseline_env={"CUDA_VISIBLE_DEVICES": "0"},
+        prefill_env={"CUDA_VISIBLE_DEVICES": "0"},
+        decode_env={"CUDA_VISIBLE_DEVICES": "1"},
+        log_dir=str(Path(args.work_dir) / "integration" / f"{model.replace('/', '_')}-{tag}"),
+    )
+
+
+def _mtp(k: int) -> list[str]:
+    return ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+
+
 def cuda_runs(args):
     block = args.block_size
-    for model in args.models or ["ibm-granite/granite-4.0-h-tiny"]:
-        config = StackConfig(
-            model=model,
-            served_model_name="model",
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            server_args=["--block-size", str(block), *(args.vllm_arg or [])],
-            # P and the baseline share GPU 0; D has GPU 1 to itself.
-            baseline_args=["--gpu-memory-utilization", "0.4"],
-            prefill_args=["--gpu-memory-utilization", "0.4"],
-            decode_args=["--gpu-memory-utilization", "0.8"],
-            device="cuda",
-            baseline_env={"CUDA_VISIBLE_DEVICES": "0"},
-            prefill_env={"CUDA_VISIBLE_DEVICES": "0"},
-            decode_env={"CUDA_VISIBLE_DEVICES": "1"},
-            log_dir=str(Path(args.work_dir) / "integration" / model.replace("/", "_")),
-        )
-        # bf16: a differing token counts as a tie only below the baseline's own top-2 margin
-        # of 4e-3 (the measured noise of the P/D split); logprobs are not held to a tolerance.
-        yield model, config, block, args.tie_margin, None
+    # bf16: a differing token counts as a tie only below the baseline's own top-2 margin
+    # of 4e-3 (the measured noise of the P/D split); logprobs are not held to a tolerance.
+    for model in args.models or ["ibm-granite/granite-4.0-h-tiny", *MTP_MODELS]:
+        if model not in MTP_MODELS:
+            # vLLM's GPU default keeps prefix caching on: Mamba align mode, offsets on the grid.
+            yield model, _cuda_config(args, model, "prefix-caching"), block, args.tie_margin, None
+            continue
+        for k in args.spec_tokens:
+            yield f"{model} MTP {k}", _cuda_config(args, model, f"mtp{k}", all_args=_mtp(k)), block, args.tie_margin, None
+        lo, hi = min(args.spec_tokens), max(args.spec_tokens)
+        if lo != hi:
+            hint = ["--decode-min-recompute", str(max(1, hi - 1))] if args.hint else []
+            config = _cuda_config(
+                args, model, f"skew{lo}-{hi}", prefill_args=_mtp(lo), decode_args=_mtp(hi), proxy_args=hint
+            )
+            yield f"{model} MTP P {lo} / D {hi}", config, block, args.tie_margin, None
 
 
 def main(argv=None) -> int:
@@ -71,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=4096, help="cuda")
     parser.add_argument("--tie-margin", type=float, default=4e-3, help="cuda: near-tie threshold")
     parser.add_argument("--vllm-arg", action="append", help="cuda: extra vLLM argument (repeat)")
+    parser.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2, 3], help="cuda: MTP token counts")
+    parser.add_argument("--hint", action="store_true", help="cuda skew run: proxy passes D's minimum recompute to P")
     args = parser.parse_args(argv)
 
     runs = cpu_runs(args) if args.device == "cpu" else cuda_runs(args)

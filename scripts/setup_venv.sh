@@ -15,6 +15,8 @@ if [ -d /opt/wheels ]; then PIP_EXTRA=(--find-links /opt/wheels); else PIP_EXTRA
 # triton has no CPU backend (1 GB, unused). Removing them is the documented workaround.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 "${PIP[@]}" install -q --no-deps -e .
+# The benchmarks' PNG plots (optional extra "bench"; they print tables and write JSON without it).
+"${PIP[@]}" install -q "matplotlib>=3.7"
 .venv/bin/python -c "import vllm, nixl, pd_connector.connector" 2>/dev/null || {
   echo "setup_venv: the environment does not import vllm/nixl/pd_connector" >&2; exit 1; }
 echo "setup_venv: .venv ready"

@@ -55,6 +55,8 @@ class StackConfig:
     decode_env: dict[str, str] = field(default_factory=dict)
     with_baseline: bool = True
     with_proxy: bool = True
+    # Extra `pd-connector proxy` arguments (e.g. --decode-min-recompute K).
+    proxy_args: Sequence[str] = ()
     log_dir: str | None = None
 
 
@@ -137,6 +139,7 @@ class PDStack:
                 "--prefill", self.prefill.base_url,
                 "--decode", self.decode.base_url,
                 "--port", str(port),
+                *self.config.proxy_args,
             ],  # fmt: skip
             stdout=log,
             stderr=subprocess.STDOUT,

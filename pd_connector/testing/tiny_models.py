@@ -8,10 +8,16 @@ three architectures that vLLM CPU 0.32.0 can serve (see docs / cpu-recipes secti
 - ``nemotron_h``: Mamba2 + attention hybrid, layer pattern ``M*M-`` (NemotronHForCausalLM).
 - ``granite_hybrid``: ``[mamba, attention, mamba, attention]``, no experts
   (GraniteMoeHybridForCausalLM).
+- ``qwen3_next_mtp``: Qwen3-Next (gated delta net linear attention + full attention, MoE), 8
+  layers with full attention every 4th, plus 3 native MTP modules (``num_nextn_predict_layers``),
+  for ``{"method": "mtp"}`` speculative decoding (speculative_models.py).
+- ``eagle_llama``: an EAGLE-1 drafter (one Llama layer) for the 64-wide targets above.
 
 Weights are saved in **float32**: bf16 is not stable across the P/D split on CPU (aggregated
 prefill of N tokens vs. P prefilling N-1 and D computing the last one accumulate differently), so
-exact-match oracles need float32 (cpu-recipes 10.5/10.7).
+exact-match oracles need float32 (cpu-recipes 10.5/10.7). The exception is ``qwen3_next_mtp``:
+vLLM CPU's GDN kernel runs only in bf16 ("CPU GDN attention requires BF16"), so tests on it use
+the margin-aware oracle.
 
 Usage::
 
@@ -33,7 +39,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-MODEL_KINDS: tuple[str, ...] = ("llama", "nemotron_h", "granite_hybrid")
+MODEL_KINDS: tuple[str, ...] = ("llama", "nemotron_h", "granite_hybrid", "qwen3_next_mtp", "eagle_llama")
+# Kinds built by speculative_models.py rather than from a transformers class alone.
+_BF16_KINDS = ("qwen3_next_mtp",)
 
 # Bump whenever anything below changes the produced files: a cached model dir whose marker
 # carries another spec is rebuilt instead of silently reused.
@@ -108,11 +116,11 @@ def build_tokenizer():
     return fast
 
 
-def _model_config(kind: str, tok) -> Any:
-    """HF config for ``kind``; sizes as in cpu-recipes section 4 (head_dim 32: CPU_ATTN minimum)."""
+def common_config(tok) -> dict[str, Any]:
+    """Config fields every tiny model shares (vocabulary, ids, width, init)."""
     import torch
 
-    common: dict[str, Any] = dict(
+    return dict(
         vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -124,6 +132,11 @@ def _model_config(kind: str, tok) -> Any:
         tie_word_embeddings=False,
         dtype=torch.float32,
     )
+
+
+def _model_config(kind: str, tok) -> Any:
+    """HF config for ``kind``; sizes as in cpu-recipes section 4 (head_dim 32: CPU_ATTN minimum)."""
+    common = common_config(tok)
     if kind == "llama":
         from transformers import LlamaConfig
 
@@ -182,7 +195,7 @@ def _spec(kind: str) -> dict[str, Any]:
         "seed": _SEED,
         "init_std": _INIT_STD,
         "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
+        "dtype": "bfloat16" if kind in _BF16_KINDS else "float32",
     }
 
 
@@ -207,6 +220,13 @@ def _write_model(kind: str, out: Path) -> None:
         "granite_hybrid": GraniteMoeHybridForCausalLM,
     }
     tok = build_tokenizer()
+    if kind not in classes:
+        from pd_connector.testing import speculative_models
+
+        speculative_models.write(kind, out, tok, common_config(tok), _SEED)
+        tok.save_pretrained(out)
+        (out / _MARKER).write_text(json.dumps(_spec(kind), sort_keys=True))
+        return
     config = _model_config(kind, tok)
     # Seed right before construction: the weights are whatever the constructor's init draws, so
     # the same seed + same config + same torch give bit-identical safetensors.

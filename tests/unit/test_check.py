@@ -5,40 +5,18 @@ vLLM). ``run_check`` is blocking (urllib), so it runs in a thread next to the fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import socket
 
 import pytest
 from aiohttp import web
+from fake_upstreams import async_test, dead_url, serve
 
-from pd_connector import check, cli
+from pd_connector import check, check_client, cli
 from pd_connector import proxy as proxy_mod
-
-
-def async_test(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=15))
-    return wrapper
 
 
 @pytest.fixture(autouse=True)
 def _short_metrics_wait(monkeypatch):
     monkeypatch.setattr(check, "METRICS_WAIT_S", 0.2)
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application):
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def pd_params(n: int) -> dict:
@@ -135,7 +113,7 @@ def one(problems: list[str], needle: str) -> str:
     return hits[0]
 
 
-@async_test
+@async_test(timeout=15)
 async def test_healthy_pair_passes_and_reports_the_numbers():
     p, d = FakeVllm(), FakeVllm()
     rep = await run(p, d)
@@ -163,14 +141,14 @@ async def test_healthy_pair_passes_and_reports_the_numbers():
         assert needle in text
 
 
-@async_test
+@async_test(timeout=15)
 async def test_prompt_tokens_option():
     p, d = FakeVllm(), FakeVllm()
     rep = await run(p, d, prompt_tokens=200, model="tiny")
     assert rep.ok and rep.replay_offset == 199 and len(p.received[0]["prompt"]) == 200
 
 
-@async_test
+@async_test(timeout=15)
 async def test_prefill_without_params_is_not_a_kv_producer():
     rep = await run(FakeVllm(params="none"), FakeVllm())
     assert not rep.ok
@@ -179,7 +157,7 @@ async def test_prefill_without_params_is_not_a_kv_producer():
     assert rep.d_ms_plain is not None  # D was still checked on its own
 
 
-@async_test
+@async_test(timeout=15)
 async def test_nixl_style_params_are_named():
     d = FakeVllm(event="refused:missing_offset")
     rep = await run(FakeVllm(params="nixl"), d)
@@ -188,13 +166,13 @@ async def test_nixl_style_params_are_named():
     assert "kv_transfer_params" in d.received[0]  # D still gets a try with them
 
 
-@async_test
+@async_test(timeout=15)
 async def test_other_protocol_version():
     rep = await run(FakeVllm(params="v2"), FakeVllm())
     one(rep.problems, "protocol version 2")
 
 
-@async_test
+@async_test(timeout=15)
 async def test_mismatched_models():
     rep = await run(FakeVllm("model-a"), FakeVllm("model-b"))
     line = one(rep.problems, "model-a")
@@ -203,16 +181,10 @@ async def test_mismatched_models():
     assert len(rep.problems) == 2 and all("--model" in p for p in rep.problems)
 
 
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-@async_test
+@async_test(timeout=15)
 async def test_unreachable_decode_and_unhealthy_prefill():
     p = FakeVllm(healthy=False)
-    dead = _dead_url()
+    dead = dead_url()
     async with serve(p.app) as p_url:
         rep = await asyncio.to_thread(check.run_check, p_url, dead)
     assert not rep.ok
@@ -222,7 +194,7 @@ async def test_unreachable_decode_and_unhealthy_prefill():
     assert p.received == []  # nothing sent before both are known
 
 
-@async_test
+@async_test(timeout=15)
 async def test_pointing_at_the_proxy_is_named():
     p, d = FakeVllm(), FakeVllm()
     async with serve(p.app) as p_url, serve(d.app) as d_url:
@@ -233,7 +205,7 @@ async def test_pointing_at_the_proxy_is_named():
     assert line.startswith("P URL") and len(rep.problems) == 1
 
 
-@async_test
+@async_test(timeout=15)
 async def test_handoff_output_mismatch_fails_unless_near_tie():
     rep = await run(FakeVllm(), FakeVllm(corrupt=True))
     line = one(rep.problems, "differs from D computing the prompt itself at token 2")
@@ -242,7 +214,7 @@ async def test_handoff_output_mismatch_fails_unless_near_tie():
     assert rep.ok and any("near-tie" in n for n in rep.notes)
 
 
-@async_test
+@async_test(timeout=15)
 async def test_decode_refusal_seen_in_metrics():
     rep = await run(FakeVllm(), FakeVllm(event="refused:offset_above_requirement"))
     one(rep.problems, "D refused P's handoff (offset_above_requirement)")
@@ -250,7 +222,7 @@ async def test_decode_refusal_seen_in_metrics():
     one(rep.problems, "D could not load P's KV (nixl)")
 
 
-@async_test
+@async_test(timeout=15)
 async def test_decode_without_pd_metrics_is_a_note_not_a_failure():
     rep = await run(FakeVllm(), FakeVllm(event=None))
     assert rep.ok and any("/metrics could not be read" in n for n in rep.notes)
@@ -262,7 +234,7 @@ def test_parse_pd_events():
             'vllm:pd_events_total{engine="1",event="handoff_accepted",model_name="m"} 2.0\n'
             'vllm:pd_events_created{engine="0",event="x"} 1.7e9\n'
             'vllm:pd_events_total{engine="0",event="refused:malformed"} 1.0\n')
-    assert check.parse_pd_events(text) == {"handoff_accepted": 5.0, "refused:malformed": 1.0}
+    assert check_client.parse_pd_events(text) == {"handoff_accepted": 5.0, "refused:malformed": 1.0}
 
 
 def test_prefill_params_match_the_proxy():

@@ -429,3 +429,38 @@ def test_claim_wait_seconds_out_of_range_is_refused(value):
     """Regression: claim_wait_seconds had no range check (negative and NaN were accepted)."""
     with pytest.raises(ValueError, match="claim_wait_seconds"):
         parse({"claim_wait_seconds": value})
+
+
+# --- docs/configuration.md is the reference: every key, its default --------------------------
+
+
+def _documented_keys() -> dict[str, str]:
+    """``key -> default`` from the table rows ``| `key` | default | effect |``."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", doc.read_text(), flags=re.M)
+    return {key: default.strip().strip("`") for key, default in rows}
+
+
+def _as_documented(value) -> str:
+    import json
+
+    if value == "":
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return json.dumps(value)
+    return str(value)
+
+
+def test_configuration_reference_documents_every_key_with_its_default():
+    documented = _documented_keys()
+    assert sorted(documented) == sorted(KNOWN), "docs/configuration.md and ConnectorSettings differ"
+    defaults = ConnectorSettings()
+    for key in KNOWN:
+        assert documented[key] == _as_documented(getattr(defaults, key)), key

@@ -10,9 +10,14 @@ from hypothesis import strategies as st
 from pd_connector.layout import (
     LayoutError,
     check_matching,
+    chunk_bounds,
+    common_packing,
     count_runs,
     descriptor_indices,
+    descriptor_rows,
     group_regions,
+    packed_layer_order,
+    plan_indices,
     region_offsets,
     strided_descriptors,
 )
@@ -173,47 +178,6 @@ def test_descriptor_indices_malformed_pairs_raise_layout_error(pairs):
         plan(local, local, pairs)
 
 
-# --- count_runs -------------------------------------------------------------------------------
-
-
-def naive_runs(local, remote):
-    runs = 0
-    for i in range(len(local)):
-        if i == 0 or local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1:
-            runs += 1
-    return runs
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(-50, 50)), max_size=40))
-def test_count_runs_equals_naive(pairs):
-    local = np.array([a for a, _ in pairs], dtype=np.int32)
-    remote = np.array([b for _, b in pairs], dtype=np.int32)
-    assert count_runs(local, remote) == naive_runs(local.tolist(), remote.tolist())
-
-
-@settings(max_examples=120, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 10)), max_size=10))
-def test_count_runs_of_consecutive_blocks(segments):
-    """Runs built from consecutive segments on both sides merge to at most one per segment."""
-    local, remote, base = [], [], 0
-    for start, length in segments:
-        local.extend(range(base + start, base + start + length))
-        remote.extend(range(base * 2 + start, base * 2 + start + length))
-        base += start + length + 1  # a gap after every segment
-    got = count_runs(np.array(local, dtype=np.int32), np.array(remote, dtype=np.int32))
-    assert got == len(segments)
-
-
-def test_count_runs_examples():
-    assert count_runs(np.zeros(0, np.int32), np.zeros(0, np.int32)) == 0
-    assert count_runs(np.array([5]), np.array([9])) == 1
-    assert count_runs(np.array([1, 2, 3]), np.array([7, 8, 9])) == 1
-    assert count_runs(np.array([1, 2, 3]), np.array([7, 9, 10])) == 2  # breaks on remote
-    assert count_runs(np.array([1, 3, 4]), np.array([7, 8, 9])) == 2  # breaks on local
-    assert count_runs(np.array([3, 2, 1]), np.array([3, 2, 1])) == 3
-
-
 # --- region_offsets, group_regions, strided_descriptors, check_matching ------------------------
 
 regions = st.builds(
@@ -260,3 +224,168 @@ def test_check_matching():
     ):
         with pytest.raises(LayoutError, match="layer mismatch"):
             check_matching(a, [a[0], bad])
+
+
+# --- packing, runs, chunks ------------------------------------------------------------------
+
+
+@st.composite
+def vllm_like_maps(draw):
+    """One side's page map as vLLM places it: per group a KVCacheTensor with ``layers`` layers,
+    either layer-outer (layer_stride = num_blocks * block_stride) or block-outer (layer_stride =
+    page, block_stride = layers * page + padding), optionally with the layers listed in a
+    different order than their addresses. Returns (regions, num_blocks)."""
+    num_blocks = draw(st.integers(1, 12))
+    regions, base = [], draw(st.integers(0, 2**20)) * 64
+    for group in range(draw(st.integers(1, 3))):
+        layers = draw(st.integers(1, 4))
+        page = draw(st.sampled_from([8, 16, 24]))
+        block_outer = draw(st.booleans())
+        pad = draw(st.sampled_from([0, 0, 8])) if block_outer else 0
+        if block_outer:
+            layer_stride, block_stride = page, layers * page + pad
+        else:
+            layer_stride, block_stride = num_blocks * page, page
+        slots = draw(st.permutations(range(layers)))
+        for i in range(layers):
+            regions.append(
+                LayerRegion(f"g{group}.l{i}", group, base + slots[i] * layer_stride, block_stride, page, num_blocks)
+            )
+        base += layers * num_blocks * page + num_blocks * pad + 64
+    regions.sort(key=lambda r: (r.group, r.name))
+    return regions, num_blocks
+
+
+def page_bytes_of(regions, pairs, side):
+    """Every (address, byte) a per-layer copy touches on one side: the reference."""
+    out = set()
+    for g, gp in enumerate(pairs):
+        for r in (r for r in regions if r.group == g):
+            for src, dst in gp:
+                b = src if side == "remote" else dst
+                start = r.addr + b * r.block_stride
+                out.update(range(start, start + r.page_bytes))
+    return out
+
+
+def copy_map(local, remote, pairs, packed):
+    """D byte -> P byte for the descriptors planned with ``packed``."""
+    lrows, rrows = descriptor_rows(local, packed), descriptor_rows(remote, packed)
+    li, ri = plan_indices(pairs, lrows, rrows)
+    mapping = {}
+    for a, b in zip(li.tolist(), ri.tolist()):
+        lrow = lrows.row_of(np.array([a]))[0]
+        rrow = rrows.row_of(np.array([b]))[0]
+        la, rr = lrows.rows[lrow], rrows.rows[rrow]
+        assert la.span_bytes == rr.span_bytes
+        lstart = la.addr + (a - int(lrows.offsets[lrow])) * la.block_stride
+        rstart = rr.addr + (b - int(rrows.offsets[rrow])) * rr.block_stride
+        for k in range(la.span_bytes):
+            assert lstart + k not in mapping, "two descriptors write one byte"
+            mapping[lstart + k] = rstart + k
+    return mapping, li, ri, lrows, rrows
+
+
+@settings(max_examples=150, deadline=None)
+@given(vllm_like_maps(), st.data())
+def test_packed_descriptors_copy_exactly_the_bytes_of_per_layer_ones(maps, data):
+    local, num_blocks = maps
+    # P: the same layers and pages, its own addresses and block count (same layout kind).
+    remote_blocks = data.draw(st.integers(num_blocks, num_blocks + 5), label="remote blocks")
+    shift = data.draw(st.integers(1, 2**20), label="shift") * 64
+    remote = [
+        LayerRegion(r.name, r.group, r.addr + shift, r.block_stride, r.page_bytes, remote_blocks) for r in local
+    ]
+    groups = sorted({r.group for r in local})
+    pairs = [
+        data.draw(
+            st.lists(st.tuples(st.integers(0, remote_blocks - 1), st.integers(0, num_blocks - 1)), max_size=5,
+                     unique_by=lambda p: p[1]),
+            label=f"pairs {g}",
+        )
+        for g in groups
+    ]
+    packed = common_packing(local, remote)
+    assert packed == frozenset(packed_layer_order(local))
+    per_layer, li0, ri0, l0, r0 = copy_map(local, remote, pairs, ())
+    spans, li1, ri1, l1, r1 = copy_map(local, remote, pairs, packed)
+    assert spans == per_layer  # the same D bytes, each from the same P byte
+    assert set(per_layer) == page_bytes_of(local, pairs, "local")
+    assert set(per_layer.values()) == page_bytes_of(remote, pairs, "remote")
+    assert li1.size <= li0.size
+    # NIXL's merged count: never more with packing, and equal to an independent count of
+    # maximal runs of (same dense row, consecutive index) on both sides.
+    assert count_runs(li1, ri1, l1, r1) <= count_runs(li0, ri0, l0, r0)
+    for li, ri, lr, rr in ((li0, ri0, l0, r0), (li1, ri1, l1, r1)):
+        runs = 0
+        for k in range(li.size):
+            joined = k > 0 and all(
+                idx[k] == idx[k - 1] + 1
+                and rows.row_of(idx[k : k + 1])[0] == rows.row_of(idx[k - 1 : k])[0]
+                and rows.rows[rows.row_of(idx[k : k + 1])[0]].block_stride
+                == rows.rows[rows.row_of(idx[k : k + 1])[0]].span_bytes
+                for idx, rows in ((li, lr), (ri, rr))
+            )
+            runs += not joined
+        assert count_runs(li, ri, lr, rr) == runs
+
+
+def test_block_outer_contiguous_blocks_are_one_descriptor_per_group():
+    """4 layers x 8 blocks, block-outer and dense: a run of 5 blocks is ONE descriptor (it was
+    20 before packing, and NIXL merged none of them: different rows)."""
+    page, layers, nb = 16, 4, 8
+    regs = [LayerRegion(f"l{i}", 0, 1000 + i * page, layers * page, page, nb) for i in range(layers)]
+    pairs = [[(b, b + 1) for b in range(1, 6)]]
+    unpacked = descriptor_rows(regs, ())
+    li, ri = plan_indices(pairs, unpacked, unpacked)
+    assert li.size == 20 and count_runs(li, ri, unpacked, unpacked) == 20
+    packed = descriptor_rows(regs, common_packing(regs, regs))
+    li, ri = plan_indices(pairs, packed, packed)
+    assert li.size == 5 and count_runs(li, ri, packed, packed) == 1
+    assert packed.strided(0).tolist() == [[1000, layers * page, 0, layers * page, nb]]
+
+
+def test_layer_outer_runs_are_one_per_layer_and_block_run():
+    page, nb = 16, 10
+    regs = [LayerRegion(f"l{i}", 0, i * nb * page, page, page, nb) for i in range(3)]
+    rows = descriptor_rows(regs, common_packing(regs, regs))
+    assert len(rows.rows) == 3  # nothing to pack: layers are whole pools apart
+    li, ri = plan_indices([[(1, 2), (2, 3), (3, 4), (7, 8)]], rows, rows)
+    assert count_runs(li, ri, rows, rows) == 3 * 2
+    # The last block of one layer and the first of the next are adjacent bytes, but two rows.
+    li, ri = plan_indices([[(9, 9)]], rows, rows)
+    assert count_runs(li, ri, rows, rows) == 3
+
+
+def test_packing_needs_the_same_layer_order_on_both_sides():
+    page, nb = 16, 4
+    d = [LayerRegion(f"l{i}", 0, i * page, 2 * page, page, nb) for i in range(2)]
+    p_swapped = [LayerRegion("l0", 0, page, 2 * page, page, nb), LayerRegion("l1", 0, 0, 2 * page, page, nb)]
+    assert common_packing(d, d) == {0}
+    assert common_packing(d, p_swapped) == frozenset()
+    with pytest.raises(LayoutError, match="not packed"):
+        descriptor_rows([LayerRegion("a", 0, 0, 64, 16, 4), LayerRegion("b", 0, 32, 64, 16, 4)], {0})
+
+
+def test_padded_mamba_pages_are_not_packed():
+    """Mamba pages padded inside their layer slot (page < layer stride) leave gaps: not packed."""
+    regs = [LayerRegion("m0", 1, 0, 8704, 3072, 4), LayerRegion("m1", 1, 4096, 8704, 3072, 4)]
+    assert packed_layer_order(regs) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100), max_size=40), st.integers(0, 300))
+def test_chunk_bounds_cover_every_descriptor_once_within_the_limit(sizes, limit):
+    nbytes = np.array(sizes, dtype=np.int64)
+    bounds = chunk_bounds(nbytes, limit)
+    flat = [i for a, b in bounds for i in range(a, b)]
+    assert flat == list(range(len(sizes)))
+    assert all(b > a for a, b in bounds)
+    if limit <= 0:
+        assert len(bounds) == (1 if sizes else 0)
+    else:
+        for a, b in bounds:
+            assert b - a == 1 or int(nbytes[a:b].sum()) <= limit
+            # Greedy: the next descriptor would not have fitted.
+            if b < len(sizes):
+                assert int(nbytes[a : b + 1].sum()) > limit

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import random
 from dataclasses import dataclass, field
 
@@ -27,7 +28,10 @@ from pd_connector.pairing import (
     NULL_BLOCK,
     SLIDING_WINDOW,
     GroupLayout,
+    BlockPairs,
     PairingError,
+    _pair_positions,
+    pair_block_lists,
     cdiv,
     mamba_state_slot,
     pair_blocks,
@@ -531,3 +535,55 @@ def test_pair_blocks_refuses_null_remote_block(layout, remote, local, offset):
     for hit in (0, 4) if layout.kind == ATTENTION else (0,):
         with pytest.raises(PairingError):
             pair_blocks((layout,), remote, local, offset, hit)
+
+
+@FEWER
+@given(st.data())
+def test_pair_positions_is_the_per_position_definition(data):
+    """The sliced pairing (no Python loop per block) equals its definition, position by
+    position, and refuses a null D block at the first null position."""
+    end = data.draw(st.integers(0, 40))
+    base = data.draw(st.integers(0, end))
+    first = data.draw(st.integers(base, end))
+    remote = data.draw(st.lists(st.integers(1, 10**6), min_size=end - base, max_size=end - base))
+    local = data.draw(st.lists(st.integers(0, 3), min_size=end, max_size=end + 3))
+    nulls = [pos for pos in range(first, end) if local[pos] == NULL_BLOCK]
+    if nulls:
+        with pytest.raises(PairingError, match=f"null at {nulls[0]}:"):
+            _pair_positions(0, remote, local, base, first, end)
+    else:
+        expected = [(remote[pos - base], local[pos]) for pos in range(first, end)]
+        assert _pair_positions(0, remote, local, base, first, end) == expected
+
+
+def test_block_pairs_read_as_the_list_of_pairs():
+    pairs = BlockPairs([4, 5, 6], [9, 8, 7])
+    assert pairs == [(4, 9), (5, 8), (6, 7)] and [(4, 9), (5, 8), (6, 7)] == pairs
+    assert len(pairs) == 3 and list(pairs) == [(4, 9), (5, 8), (6, 7)] and pairs[1] == (5, 8)
+    assert pairs != [(4, 9)] and not BlockPairs([], [])
+    assert pickle.loads(pickle.dumps(pairs)) == pairs
+    with pytest.raises(PairingError):
+        BlockPairs([1, 2], [3])
+
+
+@pytest.mark.parametrize("remote, local", [([4, 5, 6], [9, 8, 7]), ([3], [2]), ([], [])])
+def test_block_pairs_give_the_worker_the_same_descriptors_as_tuples(remote, local):
+    """The worker turns pairs into NIXL descriptor indices with numpy
+    (layout.descriptor_indices): BlockPairs must give exactly what a list of tuples gives."""
+    np = pytest.importorskip("numpy")
+    from pd_connector.layout import descriptor_indices
+
+    regions = {0: np.array([0, 1])}
+    offsets, blocks = np.array([0, 100]), np.array([50, 50])
+    as_tuples = descriptor_indices([list(zip(remote, local))], regions, offsets, offsets, blocks, blocks)
+    as_lists = descriptor_indices([BlockPairs(remote, local)], regions, offsets, offsets, blocks, blocks)
+    assert all((a == b).all() and a.dtype == b.dtype for a, b in zip(as_tuples, as_lists))
+
+
+@FEWER
+@given(scenarios())
+def test_pair_block_lists_are_pair_blocks(sc):
+    sent = select_source_blocks(sc.layouts, sc.p_ids(), sc.offset)
+    lists = pair_block_lists(sc.layouts, sent, sc.d_ids(), sc.offset, sc.local_hit)
+    assert all(isinstance(g, BlockPairs) for g in lists)
+    assert [list(g) for g in lists] == pair_blocks(sc.layouts, sent, sc.d_ids(), sc.offset, sc.local_hit)

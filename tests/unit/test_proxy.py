@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
-import socket
-import sys
 import types
 
 import aiohttp
 import pytest
 from aiohttp import web
-from multidict import CIMultiDict
+from fake_upstreams import SSE_CHUNKS, FakeUpstream, async_test, dead_url, serve
 
 from pd_connector import cli
 from pd_connector import proxy as proxy_mod
@@ -38,81 +35,13 @@ P_PARAMS = {
     "remote_prefill_cached_tokens": 0,
     "replay_offset": 32,
 }
-SSE_CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
-              b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
-
-
-def async_test(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=10))
-    return wrapper
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application, *, handler_cancellation: bool = True):
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Fake:
-    """A fake vLLM instance that records every request it gets."""
-
-    def __init__(self, name, *, status=200, kv_params=P_PARAMS, stream_chunks=SSE_CHUNKS):
-        self.name, self.status, self.kv_params, self.stream_chunks = (
-            name, status, kv_params, stream_chunks)
-        self.received: list[dict] = []
-        self.app = web.Application()
-        for path in proxy_mod.ROUTES:
-            self.app.router.add_post(path, self.generate)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-
-    async def health(self, request):
-        return web.json_response({})
-
-    async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
-
-    async def generate(self, request):
-        body = await request.json()
-        self.received.append({"path": request.path, "headers": CIMultiDict(request.headers),
-                              "body": body})
-        if self.status != 200:
-            return web.json_response({"error": {"message": f"{self.name} exploded"}},
-                                     status=self.status)
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for chunk in self.stream_chunks:
-                await resp.write(chunk)
-                await asyncio.sleep(0.01)  # separate TCP writes, so chunking is exercised
-            await resp.write_eof()
-            return resp
-        out = {"id": f"cmpl-{self.name}", "choices": [{"text": f"from {self.name}"}]}
-        if self.kv_params is not None:
-            out["kv_transfer_params"] = self.kv_params
-        return web.json_response(out)
 
 
 @contextlib.asynccontextmanager
 async def stack(n_p=1, n_d=1, p_kwargs=None, d_kwargs=None, proxy_kwargs=None,
                 proxy_cancellation=True):
-    ps = [Fake(f"p{i}", **(p_kwargs or {})) for i in range(n_p)]
-    ds = [Fake(f"d{i}", **{"kv_params": None, **(d_kwargs or {})}) for i in range(n_d)]
+    ps = [FakeUpstream(f"p{i}", **{"kv_params": P_PARAMS, **(p_kwargs or {})}) for i in range(n_p)]
+    ds = [FakeUpstream(f"d{i}", **(d_kwargs or {})) for i in range(n_d)]
     async with contextlib.AsyncExitStack() as es:
         p_urls = [await es.enter_async_context(serve(f.app)) for f in ps]
         d_urls = [await es.enter_async_context(serve(f.app)) for f in ds]
@@ -203,14 +132,14 @@ async def test_prefill_http_error_names_prefill_and_skips_decode():
             err = (await r.json())["error"]
         assert err["type"] == "prefill_error" and err["upstream"] == s.p_urls[0]
         assert "prefill" in err["message"] and s.p_urls[0] in err["message"]
-        assert "p0 exploded" in err["message"]  # P's own reason is relayed
+        assert "p0 says 500" in err["message"]  # P's own reason is relayed
         assert s.ds[0].received == []
 
 
 @async_test
 async def test_prefill_connection_refused_gives_502():
-    dead = f"http://127.0.0.1:{free_port()}"
-    d = Fake("d0")
+    dead = dead_url()
+    d = FakeUpstream("d0")
     async with serve(d.app) as d_url, serve(build_app([dead], [d_url])) as url:
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json=CLIENT_BODY) as r:
@@ -257,7 +186,7 @@ async def test_decode_error_status_passed_through():
     async with stack(d_kwargs={"status": 400}) as s:
         async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
             assert r.status == 400
-            assert (await r.json())["error"]["message"] == "d0 exploded"
+            assert (await r.json())["error"]["message"] == "d0 says 400"
 
 
 @async_test
@@ -270,9 +199,9 @@ async def test_bad_json_is_400():
 
 @async_test
 async def test_health_and_models():
-    p = Fake("p0")
-    dead = f"http://127.0.0.1:{free_port()}"
-    async with serve(p.app) as p_url, serve(Fake("d0").app) as d_url:
+    p = FakeUpstream("p0", kv_params=P_PARAMS)
+    dead = dead_url()
+    async with serve(p.app) as p_url, serve(FakeUpstream("d0").app) as d_url:
         async with serve(build_app([p_url], [d_url, dead], health_timeout=1.0)) as url:
             async with aiohttp.ClientSession() as session:
                 async with session.get(url + "/health") as r:
@@ -313,7 +242,7 @@ async def test_client_disconnect_aborts_decode(proxy_cancellation, chatty):
 
     d_app = web.Application()
     d_app.router.add_post("/v1/completions", d_handler)
-    p = Fake("p0")
+    p = FakeUpstream("p0", kv_params=P_PARAMS)
     async with serve(p.app) as p_url, serve(d_app) as d_url:
         app = build_app([p_url], [d_url])
         async with serve(app, handler_cancellation=proxy_cancellation) as url:
@@ -355,35 +284,6 @@ def test_cli_rejects_negative_min_recompute(capsys):
         cli.main(["proxy", "--prefill", "a", "--decode", "b", "--port", "1",
                   "--decode-min-recompute", "-1"])
     assert e.value.code == 2
-
-
-@pytest.mark.parametrize("argv,expect", [
-    (["--help"], "proxy"),
-    (["proxy", "--help"], "--decode-min-recompute"),
-    (["demo", "--help"], "--keep-going"),
-])
-def test_cli_help(argv, expect, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 0
-    assert expect in capsys.readouterr().out
-
-
-def test_cli_demo_dispatch(monkeypatch):
-    seen = []
-    fake = types.ModuleType("pd_connector.demo")
-    fake.main = lambda args: seen.append(args) or 3
-    monkeypatch.setitem(sys.modules, "pd_connector.demo", fake)
-    monkeypatch.setattr(sys.modules["pd_connector"], "demo", fake, raising=False)
-    assert cli.main(["demo", "--device", "cuda", "--keep-going"]) == 3
-    assert seen[0].device == "cuda" and seen[0].keep_going is True
-    assert cli.main(["demo"]) == 3
-    assert seen[1].device == "cpu" and seen[1].keep_going is False
-
-
-def test_cli_without_subcommand_prints_help(capsys):
-    assert cli.main([]) == 2
-    assert "proxy" in capsys.readouterr().err
 
 
 def test_prefill_body_does_not_mutate_client_body():

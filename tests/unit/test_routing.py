@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import re
-import socket
 import time
 import types
 
 import aiohttp
 import pytest
 from aiohttp import web
-from multidict import CIMultiDict
+from fake_upstreams import FakeUpstream, async_test, dead_url, serve
 
 from pd_connector import cli
 from pd_connector import proxy as proxy_mod
@@ -29,69 +27,6 @@ P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_eng
             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1,
             "remote_num_tokens": 3, "replay_offset": 3, "pd_protocol_version": 1}
 BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
-
-
-def async_test(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=10))
-    return wrapper
-
-
-@contextlib.asynccontextmanager
-async def serve(app: web.Application):
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-
-
-def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-class Fake:
-    """A fake vLLM instance: switchable /health and status, an optional gate holding requests."""
-
-    def __init__(self, name, *, status=200, kv_params=None):
-        self.name, self.status, self.kv_params = name, status, kv_params
-        self.healthy = True
-        self.gate: asyncio.Event | None = None
-        self.received: list[dict] = []
-        self.arrived = asyncio.Event()
-        self.app = web.Application()
-        for path in proxy_mod.ROUTES:
-            self.app.router.add_post(path, self.generate)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-
-    async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
-
-    async def health(self, request):
-        return web.json_response({}, status=200 if self.healthy else 503)
-
-    async def generate(self, request):
-        body = await request.json()
-        self.received.append({"headers": CIMultiDict(request.headers), "body": body})
-        self.arrived.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.status != 200:
-            return web.json_response(
-                {"error": {"message": f"{self.name} says {self.status}", "code": self.status}},
-                status=self.status)
-        out = {"id": self.name, "choices": [{"text": f"from {self.name}"}]}
-        if self.kv_params is not None:
-            out["kv_transfer_params"] = self.kv_params
-        return web.json_response(out)
 
 
 @contextlib.asynccontextmanager
@@ -111,7 +46,7 @@ async def stack(ps, ds, **proxy_kwargs):
 
 
 def P(name="p", **kw):
-    return Fake(name, kv_params=kw.pop("kv_params", P_PARAMS), **kw)
+    return FakeUpstream(name, kv_params=kw.pop("kv_params", P_PARAMS), **kw)
 
 
 async def post(s, body=BODY, **kw):
@@ -230,7 +165,7 @@ def test_metrics_render_is_valid_prometheus_text():
 @pytest.mark.parametrize("policy,expect", [("least-loaded", [1, 3]), ("round-robin", [2, 2])])
 @async_test
 async def test_busy_decode_is_avoided_by_least_loaded(policy, expect):
-    d0, d1 = Fake("d0"), Fake("d1")
+    d0, d1 = FakeUpstream("d0"), FakeUpstream("d1")
     d0.gate = asyncio.Event()
     async with stack([P()], [d0, d1], policy=policy) as s:
         held = asyncio.ensure_future(post(s))  # -> d0 (tie, first), held open
@@ -251,7 +186,7 @@ async def test_busy_decode_is_avoided_by_least_loaded(policy, expect):
 async def test_health_poll_skips_unhealthy_prefill_and_recovers():
     p0, p1 = P("p0"), P("p1")
     p1.healthy = False  # serves requests, but its /health says 503
-    async with stack([p0, p1], [Fake("d0")], health_interval=0.05, health_timeout=1) as s:
+    async with stack([p0, p1], [FakeUpstream("d0")], health_interval=0.05, health_timeout=1) as s:
         pool = s.state.prefill
         await wait_for(lambda: not pool.upstreams[1].healthy)
         for _ in range(4):
@@ -271,7 +206,7 @@ async def test_health_poll_skips_unhealthy_prefill_and_recovers():
 async def test_whole_pool_unhealthy_is_still_tried():
     p0 = P("p0")
     p0.healthy = False
-    async with stack([p0], [Fake("d0")], health_interval=0.05, health_timeout=1) as s:
+    async with stack([p0], [FakeUpstream("d0")], health_interval=0.05, health_timeout=1) as s:
         await wait_for(lambda: s.state.prefill.all_down)
         assert (await post(s))[0] == 200
         assert len(p0.received) == 1
@@ -279,7 +214,7 @@ async def test_whole_pool_unhealthy_is_still_tried():
 
 @async_test
 async def test_proxy_health_is_503_when_a_whole_pool_is_down():
-    d0, d1 = Fake("d0"), Fake("d1")
+    d0, d1 = FakeUpstream("d0"), FakeUpstream("d1")
     async with stack([P()], [d0, d1]) as s:
         async with s.session.get(s.url + "/health") as r:
             assert r.status == 200
@@ -301,7 +236,7 @@ async def test_proxy_health_is_503_when_a_whole_pool_is_down():
 @async_test
 async def test_models_skips_an_unreachable_decode():
     dead = dead_url()
-    async with stack([P()], [dead, Fake("d1")]) as s:
+    async with stack([P()], [dead, FakeUpstream("d1")]) as s:
         for _ in range(2):
             async with s.session.get(s.url + "/v1/models") as r:
                 assert r.status == 200
@@ -313,7 +248,7 @@ async def test_models_skips_an_unreachable_decode():
 
 @async_test
 async def test_prefill_connection_refused_is_retried_and_marks_unhealthy():
-    dead, p1, d0 = dead_url(), P("p1"), Fake("d0")
+    dead, p1, d0 = dead_url(), P("p1"), FakeUpstream("d0")
     async with stack([dead, p1], [d0]) as s:
         status, _, headers = await post(s, headers={"X-Request-Id": "rid-1"})
         assert status == 200
@@ -333,7 +268,7 @@ async def test_prefill_connection_refused_is_retried_and_marks_unhealthy():
 @async_test
 async def test_prefill_5xx_retried_on_a_different_instance_each_time():
     ps = [P(f"p{i}", status=500) for i in range(3)]
-    d0 = Fake("d0")
+    d0 = FakeUpstream("d0")
     async with stack(ps, [d0], prefill_retries=2) as s:
         status, raw, _ = await post(s)
         assert status == 500 and b"prefill_error" in raw and b"says 500" in raw
@@ -352,11 +287,11 @@ async def test_prefill_5xx_retried_on_a_different_instance_each_time():
 @async_test
 async def test_prefill_retries_bounded_and_zero_means_none():
     ps = [P(f"p{i}", status=503) for i in range(3)]
-    async with stack(ps, [Fake("d0")], prefill_retries=0) as s:
+    async with stack(ps, [FakeUpstream("d0")], prefill_retries=0) as s:
         assert (await post(s))[0] == 503
         assert sum(len(p.received) for p in ps) == 1
     ps = [P("p0", status=502)]
-    async with stack(ps, [Fake("d0")], prefill_retries=2) as s:  # one P: retried in place
+    async with stack(ps, [FakeUpstream("d0")], prefill_retries=2) as s:  # one P: retried in place
         assert (await post(s))[0] == 502
         assert len(ps[0].received) == 3
 
@@ -365,12 +300,12 @@ async def test_prefill_retries_bounded_and_zero_means_none():
 async def test_prefill_timeout_is_retried_elsewhere():
     p0, p1 = P("p0"), P("p1")
     p0.gate = asyncio.Event()  # never answers
-    async with stack([p0, p1], [Fake("d0")], timeout=0.3) as s:
+    async with stack([p0, p1], [FakeUpstream("d0")], timeout=0.3) as s:
         assert (await post(s))[0] == 200
         assert len(p0.received) == len(p1.received) == 1
         assert "timed out" in s.state.prefill.upstreams[0].last_error
         assert not s.state.prefill.upstreams[0].healthy
-    async with stack([p0], [Fake("d0")], timeout=0.3, prefill_retries=2) as s:
+    async with stack([p0], [FakeUpstream("d0")], timeout=0.3, prefill_retries=2) as s:
         status, raw, _ = await post(s)  # the only P timed out: not waited for a second time
         assert status == 504 and b"timed out" in raw
         assert len(p0.received) == 2  # one above, one here
@@ -378,7 +313,7 @@ async def test_prefill_timeout_is_retried_elsewhere():
 
 @async_test
 async def test_prefill_4xx_is_returned_as_is_and_not_retried():
-    p0, p1, d0 = P("p0", status=400), P("p1"), Fake("d0")
+    p0, p1, d0 = P("p0", status=400), P("p1"), FakeUpstream("d0")
     async with stack([p0, p1], [d0]) as s:
         status, raw, headers = await post(s, headers={"X-Request-Id": "bad-1"})
         assert status == 400
@@ -395,8 +330,8 @@ async def test_prefill_4xx_is_returned_as_is_and_not_retried():
 @pytest.mark.parametrize("first", ["dead", "503"])
 @async_test
 async def test_decode_failing_before_answering_goes_once_to_another_d_without_params(first):
-    d0 = dead_url() if first == "dead" else Fake("d0", status=503)
-    d1 = Fake("d1")
+    d0 = dead_url() if first == "dead" else FakeUpstream("d0", status=503)
+    d1 = FakeUpstream("d1")
     async with stack([P()], [d0, d1]) as s:
         status, raw, _ = await post(s, body={**BODY, "stream": False})
         assert status == 200 and b"from d1" in raw
@@ -412,7 +347,7 @@ async def test_decode_failing_before_answering_goes_once_to_another_d_without_pa
 
 @async_test
 async def test_decode_fallback_is_tried_only_once():
-    d0, d1 = Fake("d0", status=500), Fake("d1", status=500)
+    d0, d1 = FakeUpstream("d0", status=500), FakeUpstream("d1", status=500)
     async with stack([P()], [d0, d1]) as s:
         status, raw, _ = await post(s)
         assert status == 500 and b"d1 says 500" in raw
@@ -432,13 +367,13 @@ async def test_single_decode_has_no_fallback():
 
 @async_test
 async def test_decode_4xx_and_timeout_are_not_sent_elsewhere():
-    d0, d1 = Fake("d0", status=400), Fake("d1")
+    d0, d1 = FakeUpstream("d0", status=400), FakeUpstream("d1")
     async with stack([P()], [d0, d1]) as s:
         assert (await post(s))[0] == 400
         assert d1.received == []
-    d0 = Fake("d0")
+    d0 = FakeUpstream("d0")
     d0.gate = asyncio.Event()  # never answers: D may be generating, so no second D
-    d1 = Fake("d1")
+    d1 = FakeUpstream("d1")
     async with stack([P()], [d0, d1], timeout=0.3) as s:
         status, raw, _ = await post(s)
         assert status == 504 and b"timed out" in raw
@@ -462,7 +397,7 @@ async def test_decode_stream_broken_after_first_bytes_is_not_retried():
     d0_app = web.Application()
     d0_app.router.add_post("/v1/completions", breaking)
     d0_app.router.add_get("/health", health)
-    d1 = Fake("d1")
+    d1 = FakeUpstream("d1")
     async with serve(d0_app) as d0_url:
         async with stack([P()], [d0_url, d1]) as s:
             async with s.session.post(s.url + "/v1/completions",
@@ -484,7 +419,7 @@ async def test_decode_stream_broken_after_first_bytes_is_not_retried():
 
 @async_test
 async def test_metrics_count_routes_and_outcomes():
-    async with stack([P()], [Fake("d0")]) as s:
+    async with stack([P()], [FakeUpstream("d0")]) as s:
         assert (await post(s))[0] == 200
         async with s.session.post(s.url + "/v1/chat/completions",
                                   json={"messages": []}) as r:

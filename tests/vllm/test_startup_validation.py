@@ -1,5 +1,6 @@
 """Start-up refusals: one actionable message each."""
 
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +8,15 @@ import torch
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from pd_connector.config import parse_settings
-from pd_connector.vllm_compat import UnsupportedConfig, check_supported, layouts_from_kv_cache_config
+from pd_connector.nixl_backends import missing_backends_message
+from pd_connector.protocol import compat_differences
+from pd_connector.side_channel import SideChannelError, SideChannelServer
+from pd_connector.vllm_compat import (
+    UnsupportedConfig,
+    check_supported,
+    engine_compat,
+    layouts_from_kv_cache_config,
+)
 
 
 def _config(tp=1, pp=1, dcp=1, device="cpu", platform="cpu"):
@@ -45,3 +54,161 @@ def test_chunked_local_attention_is_refused_at_start_up():
 def test_secret_in_extra_config_is_refused_because_vllm_logs_it():
     with pytest.raises(ValueError, match="PD_CONNECTOR_SHARED_SECRET"):
         parse_settings({"shared_secret": "hunter2"})
+
+
+# --- with real vLLM config objects ------------------------------------------------------------
+
+
+def _vllm_config(model_dir, *, role="kv_consumer", extra=None, dtype="float32", disable_hma=None,
+                 block_size=16):
+    from vllm.config import (
+        AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+        VllmConfig,
+    )
+
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype=dtype, seed=0, max_model_len=256),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+            is_encoder_decoder=False, disable_hybrid_kv_cache_manager=disable_hma,
+        ),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype="auto",
+                                 enable_prefix_caching=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PDConnector", kv_connector_module_path="pd_connector.connector",
+            kv_role=role, kv_buffer_device="cpu", kv_connector_extra_config=extra or {},
+        ),
+        device_config=DeviceConfig("cpu"),
+        attention_config=AttentionConfig(backend=None),
+    )  # fmt: skip
+
+
+def _kv_cache_config(*, block_size=16, attention_dtype=torch.float32, ssm_dtype=None):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    groups = [KVCacheGroupSpec(["attn"], FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=32, dtype=attention_dtype))]
+    if ssm_dtype is not None:
+        groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=block_size, shapes=((4, 4), (4, 4)), dtypes=(torch.float32, ssm_dtype))))
+    return KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_missing_nixl_backend_is_refused_listing_the_available_ones(model_dir):
+    """NIXL itself only warns and returns an agent without the backend; we refuse at start-up."""
+    pytest.importorskip("nixl")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pd_connector.connector import PDConnector
+
+    config = _vllm_config(model_dir, extra={"nixl_backends": ["UCX", "NO_SUCH_BACKEND"]})
+    with pytest.raises(UnsupportedConfig) as info:
+        PDConnector(config, KVConnectorRole.WORKER, _kv_cache_config())
+    message = str(info.value)
+    assert "nixl_backends" in message and "NO_SUCH_BACKEND" in message
+    assert "available: " in message and "UCX" in message.split("available: ")[1]
+
+
+def test_missing_backends_message_is_none_when_all_are_available():
+    assert missing_backends_message(["UCX"], ["POSIX", "UCX"]) is None
+    message = missing_backends_message(["UCX", "GDS"], ["UCX"])
+    assert "names GDS," in message and "(available: UCX)" in message
+
+
+@pytest.fixture
+def busy_port():
+    """A port held by another process's listening socket (not a side channel of ours)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_side_channel_port_in_use_names_host_port_and_the_setting(busy_port):
+    with pytest.raises(SideChannelError) as info:
+        SideChannelServer("127.0.0.1", busy_port, lambda message: message)
+    message = str(info.value)
+    assert f"127.0.0.1:{busy_port}" in message and "Address already in use" in message
+    assert "side_channel_port" in message and "PD_CONNECTOR_SIDE_CHANNEL_PORT" in message
+
+
+@pytest.mark.parametrize("host", ["192.0.2.123", "p.example.invalid"])
+def test_side_channel_host_that_is_not_local_names_the_setting(host, busy_port):
+    """A foreign IP (EADDRNOTAVAIL) or a host name (libzmq reads it as an interface: ENODEV)."""
+    with pytest.raises(SideChannelError) as info:
+        SideChannelServer(host, busy_port, lambda message: message)
+    message = str(info.value)
+    assert f"{host}:{busy_port}" in message and "not an IP address of this machine" in message
+    assert "side_channel_host" in message and "PD_CONNECTOR_SIDE_CHANNEL_HOST" in message
+
+
+# --- handshake: P and D must agree; the refusal names each differing setting ------------------
+
+
+def _compat(model_dir, **kw):
+    config_kw = {k: kw.pop(k) for k in ("dtype",) if k in kw}
+    config = _vllm_config(model_dir, **config_kw)
+    if "speculative" in kw:
+        # engine_compat reads only the method, whether it has drafter KV and the draft model.
+        config.speculative_config = SimpleNamespace(
+            method=kw.pop("speculative"), model=None, uses_draft_kv_cache=lambda: True
+        )
+    kv_cache_config = _kv_cache_config(**kw)
+    return engine_compat(config, kv_cache_config, tuple(range(len(kv_cache_config.kv_cache_groups))))
+
+
+@pytest.mark.parametrize("theirs, named", [
+    ({"block_size": 32}, "group 0 block_size: local 16, remote 32"),
+    ({"dtype": "float16"}, "dtype: local 'torch.float32', remote 'torch.float16'"),
+    ({"speculative": "mtp"}, "speculative: local 'none', remote 'mtp'"),
+    # Same page size, other content: only the dtype names it.
+    ({"ssm_dtype": torch.bfloat16}, "kv_cache_dtype: local 'auto (pages: float32 | float32+float16)'"
+                                    ", remote 'auto (pages: float32 | float32+bfloat16)'"),
+    ({"attention_dtype": torch.uint8}, "kv_cache_dtype: "),
+])
+def test_handshake_names_the_setting_p_and_d_differ_in(model_dir, theirs, named):
+    mine = _compat(model_dir, ssm_dtype=torch.float16)
+    diffs = compat_differences(mine, _compat(model_dir, **{"ssm_dtype": torch.float16, **theirs}))
+    assert any(d.startswith(named) for d in diffs), diffs
+    assert compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16)) == []
+
+
+def test_handshake_names_a_different_model(model_dir, tmp_path):
+    from pd_connector.testing.tiny_models import build_model
+
+    other = str(build_model("llama", tmp_path / "other-root"))
+    renamed = tmp_path / "other-model"
+    renamed.symlink_to(other)
+    diffs = compat_differences(_compat(model_dir), _compat(str(renamed)))
+    assert diffs == ["model: local 'llama', remote 'other-model'"]
+    # The protocol version is checked on every side-channel frame before anything else:
+    # tests/nixl/test_side_channel.py::test_wrong_protocol_version_gets_reject_naming_both_versions.
+
+
+@pytest.fixture(scope="module")
+def hybrid_model_dir(tmp_path_factory) -> str:
+    import os
+    from pathlib import Path
+
+    from pd_connector.testing.tiny_models import build_model
+
+    root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
+    return str(build_model("nemotron_h", root))
+
+
+def test_hybrid_model_without_the_hybrid_kv_cache_manager_is_refused_naming_the_flag(
+    hybrid_model_dir, model_dir
+):
+    """vLLM itself fails later with "Failed to promote local KV cache specs to one unified type";
+    the layout query is the first call we get, before that point."""
+    from pd_connector.connector import PDConnector
+
+    config = _vllm_config(hybrid_model_dir, disable_hma=True)
+    assert config.model_config.is_hybrid
+    for check in (PDConnector.get_required_kvcache_layout, check_supported):
+        with pytest.raises(UnsupportedConfig, match="remove --disable-hybrid-kv-cache-manager"):
+            check(config)
+    # With vLLM's default (HMA on, since PDConnector supports it) the same model passes, and so
+    # does an attention-only model with HMA off.
+    assert PDConnector.get_required_kvcache_layout(_vllm_config(hybrid_model_dir)) is None
+    check_supported(_vllm_config(model_dir, disable_hma=True))

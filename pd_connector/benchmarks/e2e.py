@@ -1,0 +1,425 @@
+"""End to end on vLLM CPU: pd_connector vs vLLM's NixlConnector, same model, same prompts.
+
+Two P/D deployments run side by side (four vLLM CPU servers, the most the 2-core box is meant
+to hold): P and D with ``PDConnector`` behind ``pd-connector proxy``, and P and D with vLLM's
+``NixlConnector`` (cpu-recipes.md section 7: ``"kv_buffer_device":"cpu"``, per-instance
+``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``) behind the same proxy: it sends P vLLM's toy-proxy fields
+and forwards P's ``kv_transfer_params`` to D opaquely, which is all NixlConnector needs. Same
+model, flags and core binding on both (P on core 0, D on core 1). Every prompt (a new one per
+round and length, so no prefix cache ever hits) goes to both deployments, one request at a
+time, alternating which goes first (A B, B A, ...) so drift on the shared box hits both alike.
+
+Per request, measured by this client through the proxy (streaming ``/v1/completions``):
+  TTFT   send -> first streamed chunk carrying a generated token
+  total  send -> ``[DONE]``
+Handoff overhead per deployment, from the servers' own Prometheus series over the measured
+requests (warm-up excluded): D's mean TTFT (``vllm:time_to_first_token_seconds``, arrival on
+D -> first token: queueing, the KV/state load, recomputing the tail, sampling) minus D's mean
+inter-token latency (one decode step ~ recomputing the one-token tail), i.e. what "P done ->
+D's first token" costs beyond D's recompute; and the connector's own transfer time
+(``vllm:pd_transfer_seconds`` / ``vllm:nixl_xfer_time_seconds``).
+
+  pd-connector bench e2e --quick     # one hybrid, 3 lengths x 3 rounds (5-9 min on 2 loaded cores)
+  pd-connector bench e2e             # tiny Nemotron-H hybrid and llama, 5 lengths x 8 rounds
+
+Start it under ``flock /tmp/pd-vllm.lock`` on a shared box (it starts vLLM servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pd_connector.benchmarks import report
+
+SYSTEMS = ("pd", "nixl")
+LABEL = {"pd": "pd_connector", "nixl": "NixlConnector"}
+# Local servers only: never route through an HTTP(S)_PROXY from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def nixl_transfer_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+class Deployment:
+    """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
+
+    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int):
+        from pd_connector.testing.servers import VllmServer, free_port
+        from pd_connector.testing.stack import kv_transfer_config
+
+        self.system = system
+        self.log_dir = log_dir
+        src = str(Path(__file__).resolve().parents[2])
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        servers = {}
+        for role, core in (("prefill", "0"), ("decode", "1" if (os.cpu_count() or 1) > 1 else "0")):
+            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+            if system == "pd":
+                config, extra_env = kv_transfer_config(kv_role, free_port()), {}
+            else:
+                config = nixl_transfer_config(kv_role)
+                extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            servers[role] = VllmServer(
+                model,
+                extra_args=[*server_args, "--kv-transfer-config", config],
+                env={**env, **extra_env},
+                omp_threads_bind=core,
+                max_model_len=max_model_len,
+                log_path=log_dir / f"{system}-{role}.log",
+            )
+        self.prefill, self.decode = servers["prefill"], servers["decode"]
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = ""
+        self._env = env
+
+    def start_proxy(self) -> None:
+        from pd_connector.testing.servers import free_port
+
+        port = free_port()
+        log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "pd_connector.cli", "proxy", "--prefill", self.prefill.base_url,
+             "--decode", self.decode.base_url, "--port", str(port)],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self._env},
+        )
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proxy.poll() is not None:
+                raise RuntimeError(f"{self.system} proxy exited; see {self.log_dir}")
+            try:
+                with _OPENER.open(self.proxy_url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
+
+    def close(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()  # by PID: the process we started
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+        for server in (self.prefill, self.decode):
+            server.stop()
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streaming completion; times the first token chunk and the end of the stream."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, chunks, text, done = None, 0, [], False
+    with _OPENER.open(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                resp.read()  # to the end of the response: closing earlier reads as a client abort
+                break
+            choices = json.loads(data).get("choices") or []
+            if choices:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+                text.append(choices[0].get("text") or "")
+    total = time.perf_counter() - t0
+    if not done or ttft is None:
+        raise RuntimeError(f"incomplete stream from {url}: done={done}, chunks={chunks}")
+    return {"ttft_s": ttft, "total_s": total, "chunks": chunks, "text": "".join(text)}
+
+
+def send(url: str, prompt: list[int], max_tokens: int, errors: list[dict], system: str) -> dict[str, Any]:
+    """``stream_completion``, sent once more after an HTTP or connection error (recorded in
+    ``errors`` and printed: e.g. a 502 when the proxy reuses a keep-alive connection D just
+    closed). The retry's timings are the ones recorded."""
+    try:
+        return stream_completion(url, prompt, max_tokens)
+    except (OSError, RuntimeError) as exc:  # urllib's HTTPError/URLError are OSErrors
+        errors.append({"system": system, "prompt_len": len(prompt), "error": repr(exc)})
+        print(f"  {system}: {exc!r}; sending once more", flush=True)
+        return stream_completion(url, prompt, max_tokens)
+
+
+# Prometheus series read before and after the measured requests (sum and count of each).
+SERIES = {
+    "decode": [
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:pd_transfer_seconds",
+        "vllm:nixl_xfer_time_seconds",
+    ],
+    "prefill": ["vllm:e2e_request_latency_seconds"],
+}
+
+
+def snapshot(dep: Deployment) -> dict[str, float | None]:
+    from pd_connector.testing.servers import parse_metric
+
+    out: dict[str, float | None] = {}
+    for role, names in SERIES.items():
+        server = getattr(dep, role)
+        with _OPENER.open(server.base_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+        for name in names:
+            for part in ("sum", "count"):
+                out[f"{role}:{name}_{part}"] = parse_metric(text, f"{name}_{part}")
+    return out
+
+
+def mean_delta(before: dict, after: dict, key: str) -> float | None:
+    s0, s1 = before.get(f"{key}_sum"), after.get(f"{key}_sum")
+    c0, c1 = before.get(f"{key}_count"), after.get(f"{key}_count")
+    if None in (s0, s1, c0, c1) or c1 - c0 <= 0:
+        return None
+    return (s1 - s0) / (c1 - c0)
+
+
+def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float | None]:
+    d_ttft = mean_delta(before, after, "decode:vllm:time_to_first_token_seconds")
+    d_itl = mean_delta(before, after, "decode:vllm:inter_token_latency_seconds")
+    transfer_key = "vllm:pd_transfer_seconds" if system == "pd" else "vllm:nixl_xfer_time_seconds"
+    return {
+        "d_ttft_ms": _ms(d_ttft),
+        "d_itl_ms": _ms(d_itl),
+        "handoff_overhead_ms": _ms(d_ttft - d_itl) if d_ttft is not None and d_itl is not None else None,
+        "transfer_ms": _ms(mean_delta(before, after, f"decode:{transfer_key}")),
+        "d_queue_ms": _ms(mean_delta(before, after, "decode:vllm:request_queue_time_seconds")),
+        "d_prefill_ms": _ms(mean_delta(before, after, "decode:vllm:request_prefill_time_seconds")),
+        "p_e2e_ms": _ms(mean_delta(before, after, "prefill:vllm:e2e_request_latency_seconds")),
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
+    from pd_connector.testing.cpu_matrix import CPU_MODELS, random_prompt
+    from pd_connector.testing.servers import start_many
+    from pd_connector.testing.tiny_models import build_model
+
+    model = str(build_model(kind, Path(args.model_root)))
+    log_dir = log_root / kind
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deps = {s: Deployment(s, model, list(CPU_MODELS[kind]), log_dir, args.max_model_len) for s in SYSTEMS}
+    t0 = time.monotonic()
+    try:
+        start_many([srv for d in deps.values() for srv in (d.prefill, d.decode)], timeout=900)
+        for d in deps.values():
+            d.start_proxy()
+        started = time.monotonic() - t0
+        print(f"[{kind}] 4 servers and 2 proxies up in {started:.0f} s (logs {log_dir})", flush=True)
+        # Warm-up, not recorded: handshakes (NIXL agents, side channels), first-use paths.
+        for i, n in enumerate((max(args.lengths), min(args.lengths))):
+            for s in SYSTEMS:
+                stream_completion(deps[s].proxy_url, random_prompt(n, seed=10_000 + i), args.max_tokens)
+        before = {s: snapshot(deps[s]) for s in SYSTEMS}
+        records: list[dict] = []
+        errors: list[dict] = []
+        for rnd in range(args.rounds):
+            for i, n in enumerate(args.lengths):
+                prompt = random_prompt(n, seed=rnd * 1000 + i)
+                order = SYSTEMS if (rnd + i) % 2 == 0 else SYSTEMS[::-1]
+                outs = {}
+                for s in order:
+                    outs[s] = send(deps[s].proxy_url, prompt, args.max_tokens, errors, s)
+                    records.append({"model": kind, "system": s, "round": rnd, "prompt_len": n,
+                                    "first": s == order[0], **{k: v for k, v in outs[s].items() if k != "text"}})  # fmt: skip
+                records[-1]["same_text"] = records[-2]["same_text"] = outs["pd"]["text"] == outs["nixl"]["text"]
+            line = "  ".join(
+                f"{s} {statistics.median(r['ttft_s'] for r in records if r['system'] == s and r['round'] == rnd) * 1e3:.0f} ms"
+                for s in SYSTEMS
+            )
+            print(f"[{kind}] round {rnd + 1}/{args.rounds}: median TTFT {line}", flush=True)
+        after = {s: snapshot(deps[s]) for s in SYSTEMS}
+    finally:
+        for d in deps.values():
+            d.close()
+    return {
+        "model": kind,
+        "startup_s": started,
+        "records": records,
+        "handoff": {s: handoff_figures(before[s], after[s], s) for s in SYSTEMS},
+        "errors": errors,
+        "metrics_before": before,
+        "metrics_after": after,
+    }
+
+
+def summarize(runs: list[dict], lengths: list[int]) -> list[dict]:
+    rows = []
+    for run in runs:
+        for n in [*lengths, "all"]:
+            row: dict[str, Any] = {"model": run["model"], "prompt_len": n}
+            for s in SYSTEMS:
+                recs = [r for r in run["records"] if r["system"] == s and (n == "all" or r["prompt_len"] == n)]
+                for metric in ("ttft_s", "total_s"):
+                    xs = [r[metric] for r in recs]
+                    row[f"{s}_{metric}_median"] = statistics.median(xs)
+                    row[f"{s}_{metric}_p90"] = quantile(xs, 0.9)
+                row[f"{s}_n"] = len(recs)
+            row["ttft_ratio"] = row["pd_ttft_s_median"] / row["nixl_ttft_s_median"]
+            row["total_ratio"] = row["pd_total_s_median"] / row["nixl_total_s_median"]
+            recs = [r for r in run["records"] if r["system"] == "pd" and (n == "all" or r["prompt_len"] == n)]
+            row["same_text"] = f"{sum(r['same_text'] for r in recs)}/{len(recs)}"
+            rows.append(row)
+    return rows
+
+
+def latency_table(rows: list[dict]) -> str:
+    headers = ["model", "prompt", "TTFT pd med/p90 ms", "TTFT nixl med/p90 ms", "TTFT pd/nixl",
+               "total pd med/p90 ms", "total nixl med/p90 ms", "total pd/nixl", "same text"]  # fmt: skip
+
+    def mp(r, s, m):
+        return f"{r[f'{s}_{m}_median'] * 1e3:.0f} / {r[f'{s}_{m}_p90'] * 1e3:.0f}"
+
+    body = [
+        [r["model"], r["prompt_len"], mp(r, "pd", "ttft_s"), mp(r, "nixl", "ttft_s"), f"{r['ttft_ratio']:.2f}",
+         mp(r, "pd", "total_s"), mp(r, "nixl", "total_s"), f"{r['total_ratio']:.2f}", r["same_text"]]  # fmt: skip
+        for r in rows
+    ]
+    return report.format_table(headers, body)
+
+
+def handoff_table(runs: list[dict]) -> str:
+    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "D TTFT ms", "D ITL ms", "D queue ms", "P e2e ms"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    body = []
+    for run in runs:
+        for s in SYSTEMS:
+            h = run["handoff"][s]
+            body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h["d_ttft_ms"]),
+                         f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip
+    return report.format_table(headers, body)
+
+
+def plot(rows: list[dict], path: str, title: str) -> bool:
+    plt = report.pyplot()
+    if plt is None:
+        return False
+    import numpy as np
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
+    for ax_row, model in zip(axes, models):
+        mrows = [r for r in rows if r["model"] == model and r["prompt_len"] != "all"]
+        xs = np.arange(len(mrows))
+        for ax, metric, name in zip(ax_row, ("ttft_s", "total_s"), ("TTFT", "total latency")):
+            for i, s in enumerate(SYSTEMS):
+                med = np.array([r[f"{s}_{metric}_median"] for r in mrows]) * 1e3
+                p90 = np.array([r[f"{s}_{metric}_p90"] for r in mrows]) * 1e3
+                ax.bar(xs + (i - 0.5) * 0.38, med, 0.38, yerr=[np.zeros_like(med), p90 - med], capsize=3,
+                       label=f"{LABEL[s]} (median, p90 whisker)", color=f"C{i}")  # fmt: skip
+            ax.set_xticks(xs, [str(r["prompt_len"]) for r in mrows])
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("ms")
+            ratio = next(r for r in rows if r["model"] == model and r["prompt_len"] == "all")[
+                "ttft_ratio" if metric == "ttft_s" else "total_ratio"
+            ]
+            ax.set_title(f"{model}: {name} through the proxy (pd/nixl median {ratio:.2f})", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="pd-connector bench e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=".artifacts/bench/", help="folder for e2e.json / e2e.png and the server logs")
+    ap.add_argument("--quick", action="store_true", help="nemotron_h only, lengths 64 400 900, 3 rounds, 8 tokens")
+    ap.add_argument("--models", nargs="+", choices=["nemotron_h", "llama", "granite_hybrid"])
+    ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in tokens (default 64 128 256 512 900)")
+    ap.add_argument("--rounds", type=int, help="prompts per length, each sent to both deployments (default 8)")
+    ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; --quick 8)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
+    args = ap.parse_args(argv)
+    args.models = args.models or (["nemotron_h"] if args.quick else ["nemotron_h", "llama"])
+    args.lengths = args.lengths or ([64, 400, 900] if args.quick else [64, 128, 256, 512, 900])
+    args.rounds = args.rounds or (3 if args.quick else 8)
+    args.max_tokens = args.max_tokens or (8 if args.quick else 16)
+    if max(args.lengths) + args.max_tokens > args.max_model_len:
+        ap.error("the longest prompt plus --max-tokens must fit --max-model-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    print(f"bench e2e: models {args.models}, lengths {args.lengths}, {args.rounds} rounds, {args.max_tokens} tokens, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    log_root = Path(args.out) / "e2e-logs"
+    runs = [run_model(kind, args, log_root) for kind in args.models]
+    rows = summarize(runs, args.lengths)
+    title = (f"P/D end to end on vLLM CPU through pd-connector proxy: pd_connector vs NixlConnector, "
+             f"{args.rounds} prompts per length, {args.max_tokens} tokens")  # fmt: skip
+    lat, hand = latency_table(rows), handoff_table(runs)
+    print(f"\n== {title} ==\nmedian / p90 over the measured requests (warm-up excluded); ratio = pd median / nixl median\n")
+    print(lat)
+    print("\nhandoff, from the servers' metrics (means): overhead = D TTFT - D inter-token latency (P done -> D's first")
+    print("token, less D's one-token recompute); transfer = the connector's own READ time\n")
+    print(hand)
+    for run in runs:
+        if run["errors"]:
+            print(f"\n{run['model']}: {len(run['errors'])} request(s) failed once and were sent again: "
+                  + "; ".join(f"{e['system']} n={e['prompt_len']}: {e['error']}" for e in run["errors"]))
+    paths = report.write(
+        args.out,
+        "e2e",
+        {
+            "benchmark": "e2e",
+            "environment": report.environment(),
+            "args": vars(args),
+            "summary": rows,
+            "runs": runs,
+            "latency_table": lat,
+            "handoff_table": hand,
+            "wall_s": time.monotonic() - t_start,
+        },
+        lambda path: plot(rows, path, title),
+    )
+    print(f"\nwrote {', '.join(paths)} ({time.monotonic() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,401 @@
+"""Transfer benchmark: the connector's READ path vs raw NIXL (one descriptor) vs memcpy.
+
+Per case, all paths run in the same process, interleaved rep by rep (load on the box hits every
+path alike): ``--warmup`` untimed reps, then ``--reps`` timed ones; figures are medians, and the
+ratios are medians of per-rep time ratios (robust to drift). Every path moves the same number
+of bytes between the same two registered buffers; the connector's pages are checked against
+P's after an untimed first READ. Paths: see ``transfer_paths``; shapes: ``transfer_shapes``.
+
+Sections (``--sections``):
+  main    models x prompt lengths x block sizes x {scattered, contiguous} block ids,
+          vLLM's default layer-outer layout (LBHNC on CPU, LBNHC on CUDA: same placement).
+  layout  block-outer layout (BLHNC): packed spans (what the connector does) vs per-layer rows.
+  stall   the longest time one call into NIXL holds D's engine thread: sliced vs one READ.
+  knobs   NIXL/UCX settings (worker threads, UCX_TLS), each on a fresh agent pair.
+  first   first-request cost: agent creation, registration, add_peer, connect, first READ.
+
+  pd-connector bench transfer --quick            (or: python scripts/bench_transfer.py --quick)
+  pd-connector bench transfer --device cuda      (GPU machines: registers VRAM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from unittest import mock
+
+os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as pd_connector.transport does
+
+import numpy as np
+import torch
+
+from pd_connector import layout
+from pd_connector.benchmarks import report
+from pd_connector.benchmarks import transfer_paths as paths
+from pd_connector.benchmarks.transfer_shapes import MODELS, MiB, build_side, check_vllm_placement, choose_blocks, geometry
+from pd_connector.transport import NixlTransport
+
+KEY, UNPACKED = paths.KEY, "bench-p-unpacked"
+
+
+@dataclass
+class Result:
+    section: str
+    model: str
+    tokens: int
+    user_block: int
+    block_size: int
+    layout: str
+    blocks: str
+    layers: str
+    nbytes: int
+    desc: int  # descriptor indices the connector plans
+    runs: int  # descriptors NIXL moves after its merge (= contiguous runs)
+    knobs: dict = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)  # variant -> per-rep seconds
+    stages_ms: dict = field(default_factory=dict)  # variant -> median of per-rep stages
+    verified: bool = False
+    load: float = 0.0
+
+    def median_s(self, v: str) -> float:
+        return float(np.median(self.samples[v])) if self.samples.get(v) else 0.0
+
+    def gbps(self, v: str) -> float:
+        t = self.median_s(v)
+        return self.nbytes / t / 1e9 if t else 0.0
+
+    def ratio(self, num: str, den: str) -> float:
+        """Median over reps of t(den) / t(num): the throughput of ``num`` relative to ``den``."""
+        a, b = self.samples.get(num), self.samples.get(den)
+        return float(np.median(np.array(b) / np.array(a))) if a and b else 0.0
+
+
+def fmt_tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def verify(p_side, d_side, pairs, page: int) -> bool:
+    """First and last pair of every group, first and last layer: D's page equals P's."""
+    for g, gp in enumerate(pairs):
+        if not gp:
+            continue
+        p_regs = [r for r in p_side.regions if r.group == g]
+        d_regs = [r for r in d_side.regions if r.group == g]
+        for src, dst in {gp[0], gp[-1]}:
+            for pr, dr in {(p_regs[0], d_regs[0]), (p_regs[-1], d_regs[-1])}:
+                po = pr.addr - p_side.base + src * pr.block_stride
+                do = dr.addr - d_side.base + dst * dr.block_stride
+                if not torch.equal(p_side.buf[po : po + page], d_side.buf[do : do + page]):
+                    return False
+    return True
+
+
+class Bench:
+    def __init__(self, args, num_threads: int | None = None, env: dict | None = None):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dev = (self.device.index or 0) if self.device.type == "cuda" else 0
+        self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
+        self.num_threads = args.num_threads if num_threads is None else num_threads
+        self.chunk = args.chunk_mib * MiB if self.mem_type == "DRAM" else 0  # as receiver.py
+        self.rng = np.random.default_rng(args.seed)
+        self._n = 0
+        with _Env(env or {}):
+            self.p_t = NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-P-{id(self)}")
+            self.d_t = NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-D-{id(self)}")
+
+    def close(self):
+        self.d_t.close()
+        self.p_t.close()
+
+    def notif(self) -> bytes:
+        self._n += 1
+        return f"bench-{self._n}".encode()
+
+    def sides(self, model, tokens, user_block, scattered, block_outer, budget):
+        geom = geometry(MODELS[model], user_block, tokens, budget)
+        n_attn = math.ceil(tokens / geom.block_size)
+        counts = [n_attn if kind == "attention" else 1 for kind, _ in geom.groups]
+        num_blocks = int(sum(counts) * self.args.pool_factor) + 2  # + the null block and a spare
+        p_side = build_side(geom, num_blocks, block_outer, self.device, seed=1)
+        d_side = build_side(geom, num_blocks, block_outer, self.device, seed=None)
+        p_ids = choose_blocks(self.rng, num_blocks, counts, scattered, start=1)
+        d_ids = choose_blocks(self.rng, num_blocks, counts, scattered, start=num_blocks - sum(counts))
+        pairs = [list(zip(p.tolist(), d.tolist())) for p, d in zip(p_ids, d_ids)]
+        nbytes = sum(len(gp) * len(names) * geom.page_bytes for gp, (_, names) in zip(pairs, geom.groups))
+        return geom, p_side, d_side, pairs, nbytes
+
+    def run_case(self, section, model, tokens, user_block, scattered, block_outer=False,
+                 variants=("connector", "raw", "memcpy"), budget=None) -> Result:
+        args = self.args
+        geom, p_side, d_side, pairs, nbytes = self.sides(
+            model, tokens, user_block, scattered, block_outer, (budget or args.budget_mib) * MiB
+        )
+        self.p_t.register(p_side.allocations, p_side.regions, self.dev)
+        self.d_t.register(d_side.allocations, d_side.regions, self.dev)
+        self.d_t.add_peer(KEY, self.p_t.agent_metadata, p_side.regions, self.dev)
+        raw = None
+        try:
+            if "unpacked" in variants:  # the pre-packing connector: one row per layer
+                with mock.patch.object(layout, "common_packing", lambda a, b: frozenset()):
+                    self.d_t.add_peer(UNPACKED, self.p_t.agent_metadata, p_side.regions, self.dev)
+            li, ri = self.d_t.plan(KEY, pairs)
+            res = Result(
+                section, model, tokens, user_block, geom.block_size,
+                "block-outer" if block_outer else "layer-outer", "scattered" if scattered else "contiguous",
+                f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
+                self.d_t.count_runs(KEY, li, ri), knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB},
+                load=os.getloadavg()[0],
+            )
+            if "unpacked" in variants:
+                uli, uri = self.d_t.plan(UNPACKED, pairs)
+                res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), self.d_t.count_runs(UNPACKED, uli, uri)
+            self.once("connector", pairs, p_side, d_side, nbytes, None)  # untimed, then checked
+            res.verified = verify(p_side, d_side, pairs, geom.page_bytes)
+            raw = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
+            stages: dict[str, list[dict]] = {v: [] for v in variants}
+            for rep in range(args.warmup + args.reps):
+                for v in variants:
+                    st = self.once(v, pairs, p_side, d_side, nbytes, raw)
+                    if rep >= args.warmup:
+                        res.samples.setdefault(v, []).append(st["total"])
+                        stages[v].append(st)
+            res.stages_ms = {
+                v: {k: float(np.median([s[k] for s in sts])) * (1 if k == "slices" else 1e3) for k in sts[0] if k != "total"}
+                for v, sts in stages.items() if sts
+            }
+            return res
+        finally:
+            if raw is not None:
+                raw.close()
+            self.d_t.close()
+            self.p_t.close()
+
+    def once(self, variant, pairs, p_side, d_side, nbytes, raw) -> dict:
+        if variant == "memcpy":
+            return paths.memcpy_once(p_side.buf, d_side.buf, nbytes, self.device)
+        if variant == "raw":
+            st = raw.once(self.notif())
+        elif variant == "connector":
+            st = paths.connector_once(self.d_t, pairs, self.notif(), self.chunk)
+        elif variant == "one_read":  # no slicing: one post per request
+            st = paths.connector_once(self.d_t, pairs, self.notif(), 0)
+        elif variant == "unpacked":
+            st = paths.connector_once(self.d_t, pairs, self.notif(), self.chunk, key=UNPACKED)
+        else:
+            raise ValueError(variant)
+        paths.drain(self.p_t)
+        return st
+
+
+class _Env:
+    """Environment variables set while agents are created (UCX reads UCX_* then)."""
+
+    def __init__(self, env: dict):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        for k, v in self.env.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def progress(r: Result) -> None:
+    g = " ".join(f"{v} {r.gbps(v):.2f}" for v in r.samples)
+    print(f"  {r.model} {fmt_tokens(r.tokens)} b{r.user_block} {r.layout} {r.blocks}: {g} GB/s (load {r.load:.1f})", flush=True)
+
+
+def run_section(args, name, cases, variants=("connector", "raw", "memcpy"), **bench_kw) -> list[Result]:
+    bench = Bench(args, **bench_kw)
+    out = []
+    try:
+        for case in cases:
+            out.append(bench.run_case(name, *case, variants=variants))
+            progress(out[-1])
+    finally:
+        bench.close()
+    return out
+
+
+def table_rows(results: list[Result], variants) -> list[dict]:
+    rows = []
+    for r in results:
+        bs = str(r.block_size) if r.block_size == r.user_block else f"{r.user_block}>{r.block_size}"
+        row = {"model": r.model, "layers": r.layers, "tok": fmt_tokens(r.tokens), "bs": bs, "layout": r.layout,
+               "blocks": r.blocks, "MiB": round(r.nbytes / MiB), "desc": r.desc, "runs": r.runs}
+        for v in variants:
+            row[v] = r.gbps(v)
+        row["c/raw"] = r.ratio("connector", "raw")
+        row["c/memcpy"] = r.ratio("connector", "memcpy")
+        row["stall_ms"] = r.stages_ms.get("connector", {}).get("post", 0.0)
+        row["ok"] = "y" if r.verified else "NO"
+        rows.append(row)
+    return rows
+
+
+def print_results(results, variants, title, extra=()) -> str:
+    cols = ["model", "layers", "tok", "bs", "blocks", "MiB", "desc", "runs", *extra,
+            *[(v, v, ".2f") for v in variants], ("c/raw", "c/raw", ".2f"), ("c/memcpy", "c/memcpy", ".2f"),
+            ("stall_ms", "stall ms", ".1f"), "ok"]
+    rows = table_rows(results, variants)
+    for r, res in zip(rows, results):
+        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs")})
+        r["1read_stall"] = res.stages_ms.get("one_read", {}).get("post", 0.0)
+        r["unpacked/c"] = res.ratio("unpacked", "connector") if "unpacked" in res.samples else ""
+    return report.print_table(rows, cols, title)
+
+
+STALL_CASES = [("llama-8b", 16384, 16, True), ("llama-8b", 16384, 16, False), ("nemotron-h", 16384, 16, True)]
+KNOB_CASES = [("llama-8b", 4096, 16, True), ("llama-8b", 4096, 16, False), ("nemotron-h", 4096, 16, True)]
+
+
+def knob_settings(quick: bool) -> list[tuple[str, int, dict]]:
+    """(name, NixlTransport num_threads, UCX environment at agent creation)."""
+    out = [("default (threads=0)", 0, {}), ("num_threads=1", 1, {}), ("num_threads=2", 2, {}),
+           ("num_threads=4", 4, {}), ("UCX_TLS=tcp", 0, {"UCX_TLS": "tcp"}),
+           ("UCX_TLS=posix,tcp", 0, {"UCX_TLS": "posix,tcp"})]
+    return [k for k in out if k[0] in ("default (threads=0)", "num_threads=2", "UCX_TLS=tcp")] if quick else out
+
+
+def section_knobs(args) -> list[dict]:
+    rows = []
+    for name, threads, env in knob_settings(args.quick):
+        try:
+            res = run_section(args, "knobs", KNOB_CASES, ("connector", "raw"), num_threads=threads, env=env)
+        except Exception as exc:  # a setting this machine's UCX cannot do
+            rows.append({"setting": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
+            continue
+        row = {"setting": name}
+        for r in res:
+            label = f"{fmt_tokens(r.tokens)} {r.model} {r.blocks[:4]}"
+            row[label + " conn"] = r.gbps("connector")
+            row[label + " raw"] = r.gbps("raw")
+            row["ok"] = "y" if all(x.verified for x in res) else "NO"
+        rows.append(row)
+    return rows
+
+
+def section_first(args) -> dict:
+    """First-request cost on a case of the matrix (4k tokens, Nemotron-H-like, block 16)."""
+    bench = Bench(args)
+    try:
+        geom, p_side, d_side, pairs, nbytes = bench.sides("nemotron-h", 4096, 16, True, False, args.budget_mib * MiB)
+    finally:
+        bench.close()
+    out = paths.first_request(p_side, d_side, pairs, bench.mem_type, bench.dev, bench.chunk, args.num_threads)
+    out["nbytes"] = nbytes
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="pd-connector bench transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=report.DEFAULT_OUT, help="directory for JSON and PNG")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="a few minutes on a 2-core box")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS))
+    ap.add_argument("--tokens", nargs="+", type=int, help="prompt lengths (default 1k 4k 16k 32k)")
+    ap.add_argument("--blocks", nargs="+", type=int, help="user block sizes (default 16 64 128)")
+    ap.add_argument("--reps", type=int, help="timed repetitions, median kept (default 5; quick 3)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--budget-mib", type=int, help="max bytes one request moves; layers are dropped "
+                    "(pages kept) above it (default 256; quick 96)")
+    ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
+    ap.add_argument("--num-threads", type=int, default=0, help="nixl_num_threads for every section but knobs")
+    ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM only; 0 = one post)")
+    sections = ["main", "layout", "stall", "knobs", "first"]
+    ap.add_argument("--sections", nargs="+", choices=sections,
+                    help="default: all; --quick leaves out knobs (a fresh agent pair per setting)")
+    ap.add_argument("--check-vllm", action="store_true",
+                    help="cross-check the placement against vLLM's get_kv_cache_config_from_groups (imports vLLM)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.sections = args.sections or [s for s in sections if not (args.quick and s == "knobs")]
+    args.models = args.models or list(MODELS)
+    args.tokens = args.tokens or ([1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
+    args.blocks = args.blocks or ([16, 128] if args.quick else [16, 64, 128])
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.budget_mib = args.budget_mib or (96 if args.quick else 256)
+    return args
+
+
+def main(argv=None) -> int:
+    from pd_connector.benchmarks.transfer_plot import plot
+
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    env = {**report.environment(), "device": args.device, "torch": torch.__version__,
+           "UCX_TLS": os.environ.get("UCX_TLS", "(unset)")}
+    print(f"bench transfer: {args.device}, {env['cpus']} CPUs, load {env['loadavg'][0]:.1f}, "
+          f"budget {args.budget_mib} MiB/request, median of {args.reps} after {args.warmup} warm-up", flush=True)
+    data: dict = {"environment": env, "args": vars(args), "tables": {}}
+    if args.check_vllm:
+        data["vllm_placement_check"] = check = check_vllm_placement()
+        print(f"placement vs vLLM get_kv_cache_config_from_groups: {'match' if check['ok'] else check}")
+    results: dict[str, list[Result]] = {}
+    base = ("connector", "raw", "memcpy")
+    if "main" in args.sections:
+        print("\n== main: layer-outer layout (vLLM's default); GB/s medians; desc = descriptors planned, "
+              "runs = after NIXL's merge; c/raw, c/memcpy = connector throughput relative (median of "
+              "per-rep ratios); stall = longest single call into NIXL (D's engine thread) ==", flush=True)
+        cases = [(m, t, b, s) for m in args.models for b in args.blocks for t in args.tokens for s in (True, False)]
+        results["main"] = run_section(args, "main", cases, base)
+        data["tables"]["main"] = print_results(results["main"], base, "")
+    if "layout" in args.sections:
+        print("\n== layout: block-outer (BLHNC); connector = packed spans, unpacked = one row per layer ==", flush=True)
+        cases = [(m, 4096 if args.quick else t, 16, s, True) for m in args.models for t in (4096, 16384)[: 1 if args.quick else 2] for s in (True, False)]
+        variants = ("connector", "unpacked", "raw", "memcpy")
+        results["layout"] = run_section(args, "layout", cases, variants)
+        data["tables"]["layout"] = print_results(results["layout"], variants, "",
+                                                 extra=["unpacked_desc", "unpacked_runs", ("unpacked/c", "unpacked/c", ".2f")])
+    if "stall" in args.sections:
+        print(f"\n== stall: sliced READ ({args.chunk_mib} MiB slices; DRAM) vs one post per request ==", flush=True)
+        variants = ("connector", "one_read", "raw")
+        results["stall"] = run_section(args, "stall", STALL_CASES[:2] if args.quick else STALL_CASES, variants)
+        data["tables"]["stall"] = print_results(results["stall"], variants, "",
+                                                extra=[("1read_stall", "1-read stall ms", ".1f")])
+    knob_rows: list[dict] = []
+    if "knobs" in args.sections:
+        print("\n== knobs: NIXL worker threads and UCX transports (GB/s, medians) ==", flush=True)
+        knob_rows = section_knobs(args)
+        cols = list(dict.fromkeys(k for r in knob_rows for k in r))
+        data["tables"]["knobs"] = report.print_table(knob_rows, [(c, c, ".2f") for c in cols])
+    if "first" in args.sections:
+        print("\n== first request: cold set-up vs warm READ (ms) ==", flush=True)
+        first = section_first(args)
+        data["first_request"] = first
+        data["tables"]["first"] = report.print_table(
+            [{"step": k, "ms": v * 1e3} for k, v in first.items() if k not in ("nbytes", "metadata_bytes")],
+            ["step", ("ms", "ms", ".2f")])
+    data.update({k: [asdict(r) for r in v] for k, v in results.items()})
+    data["knobs"] = knob_rows
+    data["missing_notifications"] = sum(paths.MISSING_NOTIFS)
+    data["environment"]["wall_s"] = time.monotonic() - started
+    json_path = report.write_json("bench_transfer", data, args.out)
+    png = report.write_plot("bench_transfer", lambda plt: plot(plt, results, knob_rows), args.out)
+    print(f"\nwrote {json_path}" + (f" and {png}" if png else "") + f" ({time.monotonic() - started:.0f} s)")
+    if paths.MISSING_NOTIFS:
+        print(f"WARNING: {sum(paths.MISSING_NOTIFS)} completion notification(s) never reached P")
+    bad = [r for rs in results.values() for r in rs if not r.verified]
+    if bad:
+        print(f"{len(bad)} case(s) moved wrong bytes", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

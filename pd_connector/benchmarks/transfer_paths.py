@@ -1,0 +1,160 @@
+"""The three ways the transfer benchmark moves one request's bytes, plus first-request cost.
+
+  connector  exactly what ``pd_connector/receiver.py`` does per request: ``NixlTransport.plan``
+             -> ``layout.chunk_bounds`` -> ``ChunkedRead`` (prepared lists, slices of
+             ``nixl_read_chunk_mib`` over DRAM, notification on the last) polled to DONE.
+  raw        the same agents and registrations, the same number of bytes as ONE descriptor
+             (prepared once, like the connector's lists): make_prepped_xfer + transfer + poll.
+  memcpy     ``torch`` ``copy_`` of the same number of bytes between the same two buffers
+             (CPU: one torch thread, like UCX's single-copy cma; CUDA: device copy).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from pd_connector import layout
+from pd_connector.transport import DONE, FAILED, ChunkedRead, NixlTransport
+
+KEY = "bench-p"
+POLL_S = 0.0002
+MISSING_NOTIFS: list[int] = []
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wait_handle(state_of, handle, timeout_s: float = 60.0) -> None:
+    """Poll until DONE, sleeping POLL_S between polls as an engine loop polls once per step (a
+    tight spin would steal a core from NIXL's own threads)."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        state = state_of(handle)
+        if state == DONE:
+            return
+        if state == FAILED:
+            raise RuntimeError("NIXL transfer failed")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("NIXL transfer timed out")
+        time.sleep(POLL_S)
+
+
+def drain(p_t: NixlTransport, want: int = 1, timeout_s: float = 10.0) -> int:
+    """Wait (untimed) for P's completion notification(s) so none pile up across reps."""
+    got, deadline = 0, time.monotonic() + timeout_s
+    while got < want and time.monotonic() < deadline:
+        got += len(p_t.take_notifications())
+        if got < want:
+            time.sleep(0.0005)
+    if got < want:
+        MISSING_NOTIFS.append(want - got)
+    return got
+
+
+def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, key: str = KEY) -> dict:
+    """receiver.py's per-request path, back to back (an idle engine: a step per slice), timed
+    end to end; ``post`` = the longest single call into NIXL, i.e. the longest stall of D's
+    engine thread."""
+    t0 = time.perf_counter()
+    li, ri = d_t.plan(key, pairs)
+    bounds = layout.chunk_bounds(d_t.descriptor_bytes(key, li), chunk_bytes)
+    xfer = ChunkedRead(d_t, key, li, ri, notif, bounds)
+    t1 = time.perf_counter()
+    longest, deadline = 0.0, t1 + 60.0
+    while True:
+        tc = time.perf_counter()
+        posted = xfer.next
+        state = xfer.advance()
+        longest = max(longest, time.perf_counter() - tc)
+        if state == DONE:
+            break
+        if state == FAILED:
+            raise RuntimeError(xfer.error)
+        if xfer.next == posted:  # nothing posted: the slice in flight is still running
+            if time.perf_counter() > deadline:
+                raise RuntimeError("connector READ timed out")
+            time.sleep(POLL_S)
+    t2 = time.perf_counter()
+    return {"total": t2 - t0, "plan": t1 - t0, "post": longest, "slices": xfer.slices}
+
+
+class RawNixl:
+    """The same bytes as ONE prepared descriptor, on the connector's own agents."""
+
+    def __init__(self, d_t: NixlTransport, p_base: int, d_base: int, nbytes: int, dev: int):
+        self.agent = d_t._agent  # the benchmark reaches into the transport on purpose
+        peer = d_t._peers[KEY].agent_name
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(d_base, nbytes, dev)], d_t.mem_type)
+        self.remote = self.agent.prep_xfer_dlist(peer, [(p_base, nbytes, dev)], d_t.mem_type)
+        self.idx = np.zeros(1, dtype=np.int32)
+
+    def once(self, notif: bytes) -> dict:
+        t0 = time.perf_counter()
+        h = self.agent.make_prepped_xfer("READ", self.local, self.idx, self.remote, self.idx, notif_msg=notif)
+        if self.agent.transfer(h) == FAILED:
+            raise RuntimeError("raw READ refused")
+        t1 = time.perf_counter()
+        wait_handle(self.agent.check_xfer_state, h)
+        self.agent.release_xfer_handle(h)
+        return {"total": time.perf_counter() - t0, "post": t1 - t0}
+
+    def close(self) -> None:
+        self.agent.release_dlist_handle(self.local)
+        self.agent.release_dlist_handle(self.remote)
+
+
+def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int, device: torch.device) -> dict:
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        dst[:nbytes].copy_(src[:nbytes])
+        sync(device)
+        return {"total": time.perf_counter() - t0}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: int, num_threads: int) -> dict:
+    """Cold-start cost of one P/D pair, step by step, then the same READ warm (seconds).
+
+    D's connector does: agent creation + registration at start-up (``register_kv_caches``);
+    on the first request from a P, the side-channel handshake (ZMQ, a background thread, not
+    measured here: see ``vllm:pd_handshake_seconds``), then ``add_peer`` (load P's metadata,
+    prepare P's list) and ``connect`` (UCX endpoints) on the engine thread, while the claim
+    round trip is in flight; every later request reuses all of it."""
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+    p_t = NixlTransport(mem_type=mem_type, num_threads=num_threads, name=f"first-P-{os.getpid()}")
+    d_t = NixlTransport(mem_type=mem_type, num_threads=num_threads, name=f"first-D-{os.getpid()}")
+    out["create_agents_x2"] = time.perf_counter() - t
+    try:
+        t = time.perf_counter()
+        p_t.register(p_side.allocations, p_side.regions, dev)
+        d_t.register(d_side.allocations, d_side.regions, dev)
+        out["register_x2"] = time.perf_counter() - t
+        t = time.perf_counter()
+        meta = p_t.agent_metadata
+        out["get_metadata"] = time.perf_counter() - t
+        out["metadata_bytes"] = len(meta)
+        t = time.perf_counter()
+        d_t.add_peer(KEY, meta, p_side.regions, dev)
+        out["add_peer"] = time.perf_counter() - t
+        t = time.perf_counter()
+        d_t.connect(KEY)
+        out["connect"] = time.perf_counter() - t
+        for label in ("first_read", "second_read", "warm_read"):
+            out[label] = connector_once(d_t, pairs, label.encode(), chunk_bytes)["total"]
+            drain(p_t)
+    finally:
+        d_t.close()
+        p_t.close()
+    return out

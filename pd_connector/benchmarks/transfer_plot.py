@@ -1,0 +1,56 @@
+"""PNG of the transfer benchmark: GB/s per model and block size against prompt length (connector,
+raw NIXL, memcpy; scattered solid, contiguous dashed), plus the layout and stall sections."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def plot(plt, results: dict, knob_rows) -> object | None:
+    main = results.get("main", [])
+    models = list(dict.fromkeys(r.model for r in main))
+    blocks = list(dict.fromkeys(r.user_block for r in main))
+    extra = [s for s in ("layout", "stall") if results.get(s)]
+    if not models and not extra:
+        return None
+    ncols = max(len(blocks), len(extra), 1)
+    nrows = len(models) + (1 if extra else 0)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
+    for i, model in enumerate(models):
+        for j, ub in enumerate(blocks):
+            ax = axes[i][j]
+            rs = [r for r in main if r.model == model and r.user_block == ub]
+            for mode, style in (("scattered", "-"), ("contiguous", "--")):
+                sel = sorted((r for r in rs if r.blocks == mode), key=lambda r: r.tokens)
+                if not sel:
+                    continue
+                x = [r.tokens for r in sel]
+                for v, marker, color in (("connector", "o", "C0"), ("raw", "s", "C1"), ("memcpy", "^", "C2")):
+                    ax.plot(x, [r.gbps(v) for r in sel], marker + style, color=color, label=f"{v} {mode}")
+            bs = rs[0].block_size if rs else ub
+            ax.set_title(f"{model}  block {ub}" + (f"->{bs}" if bs != ub else ""), fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens", fontsize=8)
+            ax.set_ylabel("GB/s (median)", fontsize=8)
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=6)
+        for j in range(len(blocks), ncols):
+            axes[i][j].axis("off")
+    if extra:
+        row = axes[-1]
+        for k, section in enumerate(extra):
+            ax, rs = row[k], results[section]
+            variants = list(dict.fromkeys(v for r in rs for v in r.samples))
+            xs = np.arange(len(rs))
+            width = 0.8 / max(1, len(variants))
+            for n, v in enumerate(variants):
+                ax.bar(xs + n * width, [r.gbps(v) for r in rs], width, label=v)
+            ax.set_xticks(xs + 0.4 - width / 2, [f"{r.model}\n{r.tokens // 1024}k {r.blocks[:4]}" for r in rs],
+                          fontsize=6, rotation=45, ha="right")
+            ax.set_title(f"{section}: GB/s (median)", fontsize=9)
+            ax.legend(fontsize=6)
+        for k in range(len(extra), ncols):
+            row[k].axis("off")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,190 @@
+"""The proxy's HTTP exchanges with one upstream (P or D), and what their failures look like.
+
+``prefill_once`` posts one prefill and returns P's JSON; ``relay_stream`` copies D's streamed
+answer to the client. Failures become ``UpstreamError`` (P or D did not answer usefully: the
+caller may retry elsewhere) or ``UpstreamRejected`` (P answered 4xx: the client's request is at
+fault and goes back as is). Which upstream to use, and whether to retry, is ``proxy_flow``'s
+business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+# How often a streaming relay checks whether the client went away while D is silent (queued, or
+# pulling KV). Needed because aiohttp only cancels handlers on disconnect when the server runs with
+# handler_cancellation=True, which build_app cannot enforce for whoever hosts the app.
+DISCONNECT_POLL_S = 0.25
+
+
+class UpstreamError(Exception):
+    """An upstream (P or D) did not answer usefully; carries what the client should see.
+
+    ``unreachable``: a request error (connection refused/reset, timeout) that marks the upstream
+    unhealthy. ``retryable``: worth another prefill attempt (request errors and 5xx).
+    """
+
+    def __init__(self, role: str, url: str, status: int, reason: str, *,
+                 retryable: bool = False, unreachable: bool = False, timed_out: bool = False):
+        super().__init__(f"{role} instance {url} failed: {reason}")
+        self.role, self.url, self.status, self.reason = role, url, status, reason
+        self.unreachable = unreachable or timed_out
+        self.retryable, self.timed_out = retryable or self.unreachable, timed_out
+
+    def response(self, request_id: str) -> web.Response:
+        return error_response(
+            self.status,
+            str(self),
+            f"{self.role}_error",
+            upstream=self.url,
+            request_id=request_id,
+        )
+
+
+class UpstreamRejected(Exception):
+    """P answered 4xx: the client's request is at fault; relayed as is, never retried."""
+
+    def __init__(self, url: str, status: int, raw: bytes, content_type: str | None):
+        super().__init__(f"prefill instance {url} answered HTTP {status}")
+        self.url, self.status, self.raw, self.content_type = url, status, raw, content_type
+
+    def response(self, request_id: str) -> web.Response:
+        return web.Response(body=self.raw, status=self.status, headers={
+            "Content-Type": self.content_type or "application/json", "X-Request-Id": request_id})
+
+
+def error_response(status: int, message: str, etype: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": etype, **extra}}, status=status)
+
+
+def describe_body(raw: bytes, limit: int = 500) -> str:
+    """Short text of an upstream error body: vLLM's own error message when it sent one."""
+    try:
+        parsed = json.loads(raw)
+        err = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:limit]
+        if isinstance(parsed, dict) and parsed.get("message"):  # vLLM's older error shape
+            return str(parsed["message"])[:limit]
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return raw[:limit].decode("utf-8", "replace")
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's ``X-Request-Id``, or a fresh one; P and D get the same id."""
+    return request.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
+
+
+def upstream_headers(request: web.Request, request_id: str) -> dict[str, str]:
+    headers = {"X-Request-Id": request_id}
+    # Servers started with --api-key need the client's credentials on both hops.
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    return headers
+
+
+async def prefill_once(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict, headers: dict, timeout: float
+) -> dict:
+    """One prefill attempt: P's JSON answer, or UpstreamError / UpstreamRejected."""
+    try:
+        async with session.post(
+            url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            raw = await resp.read()
+            if 400 <= resp.status < 500:
+                raise UpstreamRejected(url, resp.status, raw, resp.headers.get("Content-Type"))
+            if not 200 <= resp.status < 300:
+                raise UpstreamError(
+                    "prefill", url, resp.status if resp.status >= 500 else 502,
+                    f"HTTP {resp.status}: {describe_body(raw)}", retryable=True,
+                )
+            try:
+                data = json.loads(raw)
+            except ValueError as e:
+                raise UpstreamError(
+                    "prefill", url, 502, f"response is not JSON ({e})", retryable=True) from e
+            if not isinstance(data, dict):
+                raise UpstreamError(
+                    "prefill", url, 502, "response is not a JSON object", retryable=True)
+            return data
+    except asyncio.TimeoutError as e:
+        raise UpstreamError(
+            "prefill", url, 504, f"timed out after {timeout:g} s", timed_out=True) from e
+    except aiohttp.ClientError as e:
+        raise UpstreamError(
+            "prefill", url, 502, f"{type(e).__name__}: {e}", unreachable=True) from e
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def relay_stream(
+    request: web.Request, d_resp: aiohttp.ClientResponse, request_id: str
+) -> tuple[web.StreamResponse, str | None]:
+    """Copy D's body to the client chunk by chunk.
+
+    Returns the response and why the relay stopped early (None when D's body ended). Once the
+    client is gone, D's connection is closed rather than read to the end: closing (not releasing)
+    it is what aborts the request on D and frees its KV blocks.
+    """
+    out = web.StreamResponse(status=d_resp.status)
+    out.content_type = d_resp.content_type
+    if d_resp.charset:
+        out.charset = d_resp.charset
+    out.headers["X-Request-Id"] = request_id
+    out.headers["Cache-Control"] = "no-cache"
+    read: asyncio.Task | None = None
+    try:
+        try:
+            await out.prepare(request)
+        except ConnectionResetError:
+            d_resp.close()
+            return out, "client disconnected, D aborted"
+        while True:
+            if read is None:
+                read = asyncio.ensure_future(d_resp.content.readany())
+            # Wait for D's next chunk, but wake up periodically to notice a vanished client while
+            # D produces nothing (the read task survives the timeout, so no data is lost).
+            done, _ = await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if _client_gone(request):
+                    d_resp.close()
+                    return out, "client disconnected, D aborted"
+                continue
+            task, read = read, None
+            try:
+                chunk = task.result()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # Headers are already sent, so the client can only see a cut stream.
+                d_resp.close()
+                return out, f"decode stream broke: {type(e).__name__}: {e}"
+            if not chunk:
+                break
+            try:
+                await out.write(chunk)
+            except ConnectionResetError:
+                d_resp.close()
+                return out, "client disconnected, D aborted"
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            return out, "client disconnected at end of stream"
+    except asyncio.CancelledError:
+        # The server cancelled the handler (client gone, handler_cancellation=True).
+        d_resp.close()
+        raise
+    finally:
+        if read is not None and not read.done():
+            read.cancel()
+    return out, None
+

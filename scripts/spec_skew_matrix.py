@@ -1,0 +1,86 @@
+"""Record the speculative-decoding skew matrix (P config x D config) for a connector.
+
+    .venv/bin/python scripts/spec_skew_matrix.py --connector PDConnector
+    .venv/bin/python scripts/spec_skew_matrix.py --connector NixlConnector
+
+Starts one kv_both vLLM CPU instance per configuration ({off, ngram, MTP 1/2/3 tokens} on the
+tiny bf16 Qwen3-Next with 3 MTP modules), hands each prompt from every instance to every other
+(and to itself), and compares D's output with D's own aggregated output (margin-aware, bf16).
+Prints one row per cell: how many prompts matched, diverged (with the first differing token),
+or failed with an HTTP error, and writes the table to ``.artifacts/bench/skew_<connector>.json``.
+Measurements, not assertions: tests/e2e/test_speculative.py asserts the PDConnector matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from pd_connector.testing.cpu_matrix import random_prompt
+from pd_connector.testing.oracle import CompletionError
+from pd_connector.testing.servers import start_many
+from pd_connector.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances
+from pd_connector.testing.tiny_models import build_model
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connector", default="PDConnector", choices=["PDConnector", "NixlConnector"])
+    ap.add_argument("--setups", default="off,mtp1,mtp2,mtp3", help="comma-separated subset of " + ",".join(SETUPS))
+    ap.add_argument("--lengths", default="33,64,65,100,129,160,200,255", help="prompt lengths")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--models", type=Path, default=None, help="tiny model root (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=Path(".artifacts/bench"))
+    args = ap.parse_args(argv)
+
+    names = args.setups.split(",")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    root = args.models or Path(tempfile.mkdtemp(prefix="pd-models-"))
+    spec = InstanceSpec(
+        model=str(build_model("qwen3_next_mtp", root)),
+        log_dir=args.out / f"skew-{args.connector}-logs",
+        kv_connector=args.connector,
+    )
+    insts = make_instances(spec, names)
+    cells = []
+    try:
+        start_many([i.server for i in insts.values()], timeout=900)
+        refs = {(d, n): insts[d].reference(random_prompt(n, 60), args.max_tokens) for d in names for n in lengths}
+        for p_name in names:
+            for d_name in names:
+                cell = {"prefill": p_name, "decode": d_name, "match": 0, "diverged": [], "errors": []}
+                for n in lengths:
+                    prompt = random_prompt(n, 60)
+                    try:
+                        _, got = handoff(insts[p_name], insts[d_name], prompt, args.max_tokens)
+                    except CompletionError as exc:
+                        cell["errors"].append(f"n={n}: HTTP {exc.status}")
+                        continue
+                    verdict = check_bf16(refs[(d_name, n)], got)
+                    if verdict.ok:
+                        cell["match"] += 1
+                    else:
+                        cell["diverged"].append(f"n={n}@{verdict.first_diff}")
+                cells.append(cell)
+                print(
+                    f"P={p_name:6} D={d_name:6} match {cell['match']}/{len(lengths)}"
+                    + (f"  diverged {', '.join(cell['diverged'])}" if cell["diverged"] else "")
+                    + (f"  errors {', '.join(cell['errors'])}" if cell["errors"] else ""),
+                    flush=True,
+                )
+    finally:
+        for inst in insts.values():
+            inst.server.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"skew_{args.connector}.json"
+    out.write_text(json.dumps({"connector": args.connector, "lengths": lengths, "cells": cells}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The connector's READ path beyond one prepared transfer: the descriptor count it reports is
+NIXL's own merged count, slices (``ChunkedRead``) move the same bytes with one notification,
+and the Receiver posts at most one slice per ``advance()`` over DRAM. Real NIXL, UCX over DRAM.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pd_connector import layout, side_channel
+from pd_connector.config import ConnectorSettings
+from pd_connector.metadata import RecvTask
+from pd_connector.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
+from pd_connector.receiver import Receiver
+from pd_connector.transport import DONE, FAILED, PENDING, ChunkedRead, NixlTransport
+
+from test_transport import (
+    ATTN,
+    MAMBA,
+    P_BLOCKS,
+    TIMEOUT_S,
+    assert_bytes,
+    collect_notifications,
+    expected_after,
+    make_engine,
+)
+
+pytestmark = pytest.mark.nixl
+
+CASES = {
+    "scattered": [[(7, 2), (1, 9), (4, 5), (30, 44)], [(3, 11)]],
+    "contiguous": [[(1, 3), (2, 4), (3, 5), (4, 6), (5, 7)], [(11, 15)]],
+    "two_runs": [[(1, 3), (2, 4), (20, 30), (21, 31), (22, 32)], []],
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """kind -> (P, D with a telemetry-capturing agent, peered with P as "p")."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            p = make_engine(kind, P_BLOCKS, seed=77)
+            d = make_engine(kind, 56, seed=None)
+            # Swap D's transport for one that records NIXL's per-transfer telemetry.
+            d.transport.close()
+            d.transport = NixlTransport(capture_telemetry=True)
+            d.transport.register([(d.buf.data_ptr(), d.placement.nbytes, 0)], d.regions)
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            made[kind] = (p, d)
+        p, d = made[kind]
+        d.mem[:] = 0
+        p.transport.take_notifications()
+        return p, d
+
+    yield get
+    for p, d in made.values():
+        d.transport.close()
+        p.transport.close()
+
+
+def read_merged_count(d, li, ri, notif: bytes) -> int:
+    """Post one READ, wait for it, and return NIXL's own merged descriptor count."""
+    handle = d.transport.read("p", li, ri, notif)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while (state := d.transport.state(handle)) == PENDING:
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        assert state == DONE
+        return d.transport.merged_descriptors(handle)
+    finally:
+        d.transport.release(handle)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["block_major_padded", "layer_major_dense"])
+def test_reported_descriptor_count_is_nixls_merged_count(engines, kind, case):
+    p, d = engines(kind)
+    pairs = CASES[case]
+    li, ri = d.transport.plan("p", pairs)
+    assert read_merged_count(d, li, ri, b"n") == d.transport.count_runs("p", li, ri)
+    want, _ = expected_after(d, p, pairs)
+    assert_bytes(d, want)
+    assert collect_notifications(p.transport, 1) == {b"n": 1}
+
+
+def test_block_outer_packed_contiguous_attention_is_one_descriptor_per_block_not_per_layer(engines):
+    """block_major_padded: both attention layers of a block are one span (slots are padded, so
+    consecutive blocks do not merge): 5 blocks -> 5 descriptors, not 10."""
+    p, d = engines("block_major_padded")
+    pairs = [CASES["contiguous"][0], []]
+    li, ri = d.transport.plan("p", pairs)
+    assert li.size == 5 and d.transport.count_runs("p", li, ri) == 5
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4096 * 3, 1 << 30])
+def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice(engines, chunk_bytes):
+    p, d = engines("layer_major_dense")
+    pairs = CASES["scattered"]
+    li, ri = d.transport.plan("p", pairs)
+    bounds = layout.chunk_bounds(d.transport.descriptor_bytes("p", li), chunk_bytes)
+    xfer = ChunkedRead(d.transport, "p", li, ri, b"req", bounds)
+    notified_early = False
+    deadline = time.monotonic() + TIMEOUT_S
+    while (state := xfer.advance()) == PENDING:
+        if xfer.next < xfer.slices and p.transport.take_notifications():
+            notified_early = True
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert state == DONE
+    assert not notified_early, "P was notified before the last slice was posted"
+    want, _ = expected_after(d, p, pairs)
+    assert_bytes(d, want)
+    assert collect_notifications(p.transport, 1) == {b"req": 1}
+    assert xfer.slices == (1 if chunk_bytes >= 1 << 30 else len(bounds))
+
+
+def test_a_slice_nixl_refuses_fails_the_read_without_notifying(engines):
+    p, d = engines("layer_major_dense")
+    li, ri = d.transport.plan("p", CASES["scattered"])
+    bounds = [(0, 2), (2, 2), (2, li.size)]  # an empty slice: NIXL refuses zero descriptors
+    xfer = ChunkedRead(d.transport, "p", li, ri, b"never", bounds)
+    deadline = time.monotonic() + TIMEOUT_S
+    while (state := xfer.advance()) == PENDING:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert state == FAILED and xfer.error_kind == "post"
+    assert collect_notifications(p.transport, 0) == {}
+
+
+COMPAT = EngineCompat(
+    model="tiny", dtype="torch.bfloat16", kv_cache_dtype="auto", groups=[],
+    conv_state_layout="", tensor_parallel_size=1, device="cpu",
+)
+
+
+def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines, free_port):
+    """Two requests of several slices each: each Receiver.advance() posts at most one slice in
+    total, both finish with the right bytes, and P gets exactly one notification each."""
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+
+    def serve(message):
+        if isinstance(message, Hello):
+            return welcome
+        if isinstance(message, Claim):
+            return Granted(lease_seconds=30.0)
+        if isinstance(message, Release):
+            return Ack()
+        return Reject(reason="unexpected")
+
+    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    # 4 KiB pages: 8 KiB slices = two descriptors each.
+    settings = ConnectorSettings(nixl_read_chunk_mib=0)
+    receiver = Receiver(d.transport, settings, "d", COMPAT, None)
+    receiver._chunk_bytes = 8192
+    try:
+        reqs = {
+            "r1": [[(1, 3), (7, 9), (4, 5)], [(3, 11)]],
+            "r2": [[(10, 20), (11, 21)], [(12, 22)]],
+        }
+        for rid, pairs in reqs.items():
+            receiver.add(rid, RecvTask("p", "127.0.0.1", free_port, f"P-{rid}", pairs, 16, 15, [[1]]))
+        finished: set[str] = set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(finished) < 2:
+            before = sum(r.xfer.next for r in receiver._reads.values())
+            seen = set(receiver._reads)
+            receiver.advance()
+            after = sum(r.xfer.next for k, r in receiver._reads.items() if k in seen)
+            started = sum(r.xfer.next for k, r in receiver._reads.items() if k not in seen)
+            done, failed = receiver.take_results()
+            assert not failed
+            finished |= done
+            # Slices posted this call by requests still reading (finished ones posted none:
+            # their last slice was posted by an earlier call).
+            assert after - before + started <= 1
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        union = [[pr for pairs in reqs.values() for pr in pairs[g]] for g in (ATTN, MAMBA)]
+        want, _ = expected_after(d, p, union)
+        assert_bytes(d, want)
+        assert collect_notifications(p.transport, 2) == {b"P-r1": 1, b"P-r2": 1}
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)

@@ -1,0 +1,107 @@
+"""In-process fake P and D servers for the proxy and ``check`` tests (no vLLM), and the plumbing
+to serve them: aiohttp apps on loopback, run by plain asyncio (no pytest plugin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from pd_connector.proxy_bodies import ROUTES
+
+SSE_CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
+              b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+def async_test(fn=None, *, timeout: float = 10.0):
+    """Run an async test body under ``asyncio.run`` with a hard timeout (``@async_test`` or
+    ``@async_test(timeout=...)``)."""
+    if fn is None:
+        return functools.partial(async_test, timeout=timeout)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=timeout))
+    return wrapper
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application, *, handler_cancellation: bool = True):
+    """Serve ``app`` on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dead_url() -> str:
+    """A loopback URL nobody listens on (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+class FakeUpstream:
+    """A fake vLLM instance that records every generate request it gets.
+
+    ``status``: HTTP status of generate answers; ``kv_params``: the ``kv_transfer_params`` a
+    non-streamed answer carries (None: none); ``stream_chunks``: the SSE body of a streamed
+    answer; ``healthy``: what ``/health`` says; ``gate``: when set, requests wait for it.
+    """
+
+    def __init__(self, name, *, status=200, kv_params=None, stream_chunks=SSE_CHUNKS):
+        self.name, self.status, self.kv_params, self.stream_chunks = (
+            name, status, kv_params, stream_chunks)
+        self.healthy = True
+        self.gate: asyncio.Event | None = None
+        self.received: list[dict] = []  # {"path", "headers", "body"} per request
+        self.arrived = asyncio.Event()
+        self.app = web.Application()
+        for path in ROUTES:
+            self.app.router.add_post(path, self.generate)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+
+    async def health(self, request):
+        return web.json_response({}, status=200 if self.healthy else 503)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.received.append({"path": request.path, "headers": CIMultiDict(request.headers),
+                              "body": body})
+        self.arrived.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.status != 200:
+            return web.json_response(
+                {"error": {"message": f"{self.name} says {self.status}", "code": self.status}},
+                status=self.status)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in self.stream_chunks:
+                await resp.write(chunk)
+                await asyncio.sleep(0.01)  # separate TCP writes, so chunking is exercised
+            await resp.write_eof()
+            return resp
+        out = {"id": f"cmpl-{self.name}", "choices": [{"text": f"from {self.name}"}]}
+        if self.kv_params is not None:
+            out["kv_transfer_params"] = self.kv_params
+        return web.json_response(out)
