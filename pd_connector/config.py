@@ -29,9 +29,6 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_num_threads: int = 0
-    # NIXL's UCX progress thread (NIXL's and vLLM's default). It polls even when idle: about a
-    # quarter of a core per instance on the 2-core CI box, where the tests turn it off.
-    nixl_progress_thread: bool = True
     # Over DRAM, D posts a READ in slices of at most this many MiB, one per engine-step hook,
     # because UCX copies inside the post call (it would block D's engine thread for the whole
     # copy). 0: one post per request. Ignored over VRAM (posts there are asynchronous).

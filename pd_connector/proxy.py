@@ -31,7 +31,12 @@ from pd_connector.proxy_bodies import (
     normalize_url,
 )
 from pd_connector.proxy_flow import ProxyState, generate
-from pd_connector.proxy_relay import UpstreamError, request_id_of, upstream_headers
+from pd_connector.proxy_relay import (
+    UpstreamClient,
+    UpstreamError,
+    request_id_of,
+    upstream_headers,
+)
 from pd_connector.routing import DEFAULT_POLICY, Pool, ProxyMetrics, health_loop, probe_all
 
 __all__ = [
@@ -48,8 +53,16 @@ DEFAULT_PREFILL_RETRIES = 2
 # With health polling off, an upstream marked unhealthy by a request error is tried again after
 # this many seconds.
 PASSIVE_RECOVERY_S = 5.0
+# Pooled connections to P and D idle longer than this are closed by the proxy rather than
+# reused. vLLM's API server (uvicorn) closes idle keep-alive connections after
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s (vllm/envs.py; launchers/api_server/entry.py passes it to
+# uvicorn); with aiohttp's default of 15 s the proxy would reuse connections uvicorn is closing
+# at that very moment, and the request would fail before reaching vLLM. Staying below 5 s makes
+# that race rare; UpstreamClient's retry on a new connection makes it harmless (including for
+# servers run with a shorter keep-alive).
+UPSTREAM_KEEPALIVE_S = 4.0
 
-_SESSION = web.AppKey("pd_session", aiohttp.ClientSession)
+_CLIENT = web.AppKey("pd_client", UpstreamClient)
 STATE = web.AppKey("pd_state", ProxyState)
 
 
@@ -57,7 +70,7 @@ async def _handle_generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     outcome = "proxy_error"
     try:
-        response, outcome = await generate(request, st, request.app[_SESSION])
+        response, outcome = await generate(request, st, request.app[_CLIENT])
         return response
     except asyncio.CancelledError:
         outcome = "client_disconnected"
@@ -72,7 +85,7 @@ async def _handle_health(request: web.Request) -> web.Response:
     200 while both pools have a healthy instance; 503 when a whole pool is down.
     """
     st = request.app[STATE]
-    await probe_all(request.app[_SESSION], [st.prefill, st.decode], st.health_timeout)
+    await probe_all(request.app[_CLIENT].pooled, [st.prefill, st.decode], st.health_timeout)
     down = [p.role for p in (st.prefill, st.decode) if p.all_down]
     return web.json_response({
         "status": "ok" if not down else f"unavailable: no healthy {' or '.join(down)} instance",
@@ -89,7 +102,7 @@ async def _handle_models(request: web.Request) -> web.Response:
     err: UpstreamError | None = None
     for up in sorted(st.decode.upstreams, key=lambda u: not u.healthy):
         try:
-            async with request.app[_SESSION].get(
+            async with request.app[_CLIENT].pooled.get(
                 up.url + "/v1/models", headers=upstream_headers(request, request_id),
                 timeout=aiohttp.ClientTimeout(total=min(st.timeout, 30.0)),
             ) as resp:
@@ -153,16 +166,20 @@ def build_app(
 
     async def session_ctx(app: web.Application):
         # limit=0: every in-flight stream holds a connection; aiohttp's default cap of 100 would
-        # queue requests behind long generations.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            app[_SESSION] = session
+        # queue requests behind long generations. GETs (health, models) need no retry of ours:
+        # aiohttp retries idempotent requests on a stale connection itself.
+        pooled = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        fresh = aiohttp.TCPConnector(limit=0, force_close=True)  # a new connection every time
+        async with aiohttp.ClientSession(connector=pooled) as pooled_session, \
+                aiohttp.ClientSession(connector=fresh) as fresh_session:
+            app[_CLIENT] = UpstreamClient(pooled_session, fresh_session)
             yield
 
     async def health_ctx(app: web.Application):
         task = None
         if st.health_interval > 0:
-            task = asyncio.create_task(health_loop(
-                app[_SESSION], [st.prefill, st.decode], st.health_interval, st.health_timeout))
+            task = asyncio.create_task(health_loop(app[_CLIENT].pooled, [st.prefill, st.decode],
+                                                   st.health_interval, st.health_timeout))
         yield
         if task is not None:
             task.cancel()

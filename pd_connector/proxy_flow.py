@@ -1,6 +1,8 @@
 """One client request through the proxy: prefill on a P (retried on another P after a
 connection error, timeout or 5xx), then decode on a D with P's ``kv_transfer_params`` (sent once
-to another D, without them, when the first fails before answering).
+to another D, without them, when the first fails before answering). Independently of both, a
+request that hits a pooled keep-alive connection the upstream has just closed is sent once more to
+the same upstream on a new connection (``proxy_relay.UpstreamClient``).
 
 Flow per request (the same steps as vLLM's toy proxy, which works with the NIXL connector on
 0.32.0):
@@ -19,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +29,7 @@ from aiohttp import web
 from pd_connector.protocol import KEY_REPLAY_OFFSET
 from pd_connector.proxy_bodies import build_decode_body, build_prefill_body
 from pd_connector.proxy_relay import (
+    UpstreamClient,
     UpstreamError,
     UpstreamRejected,
     describe_body,
@@ -55,9 +58,20 @@ class ProxyState:
     prefill_retries: int
 
 
+def _stale_retry_hook(up: Upstream, request_id: str) -> Callable[[BaseException], None]:
+    """What ``UpstreamClient.post`` calls before it resends a request on a fresh connection."""
+    def on_stale(e: BaseException) -> None:
+        up.stale_connection_retries += 1
+        up.requests += 1  # the retry is another attempt on the same upstream
+        # INFO, not WARNING: an idle keep-alive connection closed by the upstream is routine.
+        logger.info("request %s: %s instance %s closed a kept-alive connection before answering "
+                    "(%s: %s); retrying once on a new connection",
+                    request_id, up.role, up.url, type(e).__name__, e)
+    return on_stale
+
+
 async def _prefill_with_retries(
-    st: ProxyState, session: aiohttp.ClientSession, path: str, body: dict, headers: dict,
-    log: dict,
+    st: ProxyState, client: UpstreamClient, path: str, body: dict, headers: dict, log: dict,
 ) -> dict:
     """Prefill on one P; after a connection error, timeout or 5xx, again on another P (up to
     ``prefill_retries`` more times, a different instance each time while one is left; after that
@@ -69,7 +83,8 @@ async def _prefill_with_retries(
         log["P"] = up.url
         try:
             with st.prefill.track(up):
-                data = await prefill_once(session, up.url, path, body, headers, st.timeout)
+                data = await prefill_once(client, up.url, path, body, headers, st.timeout,
+                                          _stale_retry_hook(up, log["req"]))
         except UpstreamRejected:
             st.prefill.mark_healthy(up)  # it answered: reachable
             raise
@@ -101,7 +116,7 @@ class _DecodeNotStarted(Exception):
 
 
 async def generate(
-    request: web.Request, st: ProxyState, session: aiohttp.ClientSession
+    request: web.Request, st: ProxyState, client: UpstreamClient
 ) -> tuple[web.StreamResponse, str]:
     """Prefill then decode; returns the response and its outcome label for the metrics."""
     request_id = request_id_of(request)
@@ -120,7 +135,7 @@ async def generate(
     t0 = time.monotonic()
     try:
         p_data = await _prefill_with_retries(
-            st, session, path, build_prefill_body(body, st.decode_min_recompute), headers, log)
+            st, client, path, build_prefill_body(body, st.decode_min_recompute), headers, log)
     except UpstreamRejected as e:
         log.update(p_status=e.status, p_ms=_ms(t0), D="skipped")
         _log_request(log, logging.WARNING)
@@ -150,10 +165,12 @@ async def generate(
     # timed-out D may be generating). The retry goes *without* kv_transfer_params: the first D
     # may already have claimed P's blocks (claims are one-shot; P frees the blocks when D's READ
     # completes, else at lease expiry), so the lease's state is unknown. The second D computes
-    # the prompt itself, which is always correct, only slower.
+    # the prompt itself, which is always correct, only slower. (The stale keep-alive retry inside
+    # _decode is different: it keeps the params, because that request never reached D's
+    # application, so nothing can have been claimed.)
     can_fall_back = len(st.decode) > 1
     try:
-        return await _decode(request, st, session, d_up, path, build_decode_body(body, kv_params),
+        return await _decode(request, st, client, d_up, path, build_decode_body(body, kv_params),
                              headers, stream=bool(body.get("stream", False)),
                              request_id=request_id, log=log, can_fall_back=can_fall_back)
     except _DecodeNotStarted as e:
@@ -162,13 +179,13 @@ async def generate(
         logger.warning("request %s: decode on %s failed before answering (%s); computing the "
                        "prompt on %s instead", request_id, d_up.url, e.err.reason, fallback.url)
         log.update(d_error=e.err.reason, d_fallback=True)
-        return await _decode(request, st, session, fallback, path, build_decode_body(body, None),
+        return await _decode(request, st, client, fallback, path, build_decode_body(body, None),
                              headers, stream=bool(body.get("stream", False)),
                              request_id=request_id, log=log, can_fall_back=False)
 
 
 async def _decode(
-    request: web.Request, st: ProxyState, session: aiohttp.ClientSession, up: Upstream,
+    request: web.Request, st: ProxyState, client: UpstreamClient, up: Upstream,
     path: str, d_body: dict, headers: dict, *, stream: bool, request_id: str, log: dict,
     can_fall_back: bool,
 ) -> tuple[web.StreamResponse, str]:
@@ -190,8 +207,9 @@ async def _decode(
 
     with st.decode.track(up):
         try:
-            d_resp = await session.post(up.url + path, json=d_body, headers=headers,
-                                        timeout=d_timeout)
+            d_resp = await client.post(up.url + path, json=d_body, headers=headers,
+                                       timeout=d_timeout,
+                                       on_stale=_stale_retry_hook(up, request_id))
         except asyncio.TimeoutError:
             return failed(UpstreamError("decode", up.url, 504, f"timed out after {timeout:g} s"))
         except aiohttp.ClientError as e:

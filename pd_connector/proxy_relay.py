@@ -1,18 +1,20 @@
 """The proxy's HTTP exchanges with one upstream (P or D), and what their failures look like.
 
-``prefill_once`` posts one prefill and returns P's JSON; ``relay_stream`` copies D's streamed
-answer to the client. Failures become ``UpstreamError`` (P or D did not answer usefully: the
-caller may retry elsewhere) or ``UpstreamRejected`` (P answered 4xx: the client's request is at
-fault and goes back as is). Which upstream to use, and whether to retry, is ``proxy_flow``'s
-business.
+``UpstreamClient.post`` sends one request (retried once on a fresh connection when a pooled
+keep-alive connection turns out to be closed); ``prefill_once`` posts one prefill and returns P's
+JSON; ``relay_stream`` copies D's streamed answer to the client. Failures become
+``UpstreamError`` (P or D did not answer usefully: the caller may retry elsewhere) or
+``UpstreamRejected`` (P answered 4xx: the client's request is at fault and goes back as is).
+Which upstream to use, and whether to retry elsewhere, is ``proxy_flow``'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from aiohttp import web
@@ -21,6 +23,56 @@ from aiohttp import web
 # pulling KV). Needed because aiohttp only cancels handlers on disconnect when the server runs with
 # handler_cancellation=True, which build_app cannot enforce for whoever hosts the app.
 DISCONNECT_POLL_S = 0.25
+
+# What writing to, or reading from, a connection the peer has already closed raises.
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+
+
+def is_stale_connection(exc: BaseException) -> bool:
+    """True for the failure a pooled keep-alive connection gives when the upstream closed it just
+    as we sent a request on it (uvicorn closes idle connections after its keep-alive timeout): the
+    connection dropped or was reset, before any response byte.
+
+    Connect errors (a new connection refused or reset) and timeouts are not this: a timed-out
+    request may have reached the application.
+    """
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)):
+        return True
+    return (isinstance(exc, aiohttp.ClientOSError)
+            and not isinstance(exc, aiohttp.ClientConnectorError)
+            and exc.errno in _STALE_ERRNOS)
+
+
+class UpstreamClient:
+    """The proxy's HTTP client for P and D: a session with a keep-alive pool, and one that opens a
+    new connection for every request, for the single retry after a stale pooled connection.
+
+    aiohttp retries such failures itself only for idempotent methods (``ClientSession._request``,
+    ``IDEMPOTENT_METHODS``), never for POST, so a generate request on a connection the upstream
+    had just closed would fail. The request cannot have reached the application then (the server
+    closed the connection before reading it), so sending it again to the same upstream is safe
+    and is what proxies do (nginx ``proxy_next_upstream``, envoy's reset-before-request retry).
+    """
+
+    def __init__(self, pooled: aiohttp.ClientSession, fresh: aiohttp.ClientSession):
+        self.pooled, self.fresh = pooled, fresh
+
+    async def post(
+        self, url: str, *, json: dict, headers: dict, timeout: aiohttp.ClientTimeout,
+        on_stale: Callable[[BaseException], None],
+    ) -> aiohttp.ClientResponse:
+        """POST and return once the status line and headers are in (the body is the caller's).
+
+        Only this stage is retried: once the status line arrived the upstream has the request, so
+        any later failure is the caller's to handle. ``on_stale`` is told before the retry.
+        """
+        try:
+            return await self.pooled.post(url, json=json, headers=headers, timeout=timeout)
+        except aiohttp.ClientError as e:
+            if not is_stale_connection(e):
+                raise
+            on_stale(e)
+        return await self.fresh.post(url, json=json, headers=headers, timeout=timeout)
 
 
 class UpstreamError(Exception):
@@ -91,13 +143,15 @@ def upstream_headers(request: web.Request, request_id: str) -> dict[str, str]:
 
 
 async def prefill_once(
-    session: aiohttp.ClientSession, url: str, path: str, body: dict, headers: dict, timeout: float
+    client: UpstreamClient, url: str, path: str, body: dict, headers: dict, timeout: float,
+    on_stale: Callable[[BaseException], None],
 ) -> dict:
-    """One prefill attempt: P's JSON answer, or UpstreamError / UpstreamRejected."""
+    """One prefill attempt (a stale pooled connection aside): P's JSON answer, or UpstreamError /
+    UpstreamRejected."""
     try:
-        async with session.post(
-            url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
+        resp = await client.post(url + path, json=body, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=timeout), on_stale=on_stale)
+        async with resp:
             raw = await resp.read()
             if 400 <= resp.status < 500:
                 raise UpstreamRejected(url, resp.status, raw, resp.headers.get("Content-Type"))

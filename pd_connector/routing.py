@@ -43,6 +43,7 @@ class Upstream:
     healthy: bool = True
     in_flight: int = 0
     requests: int = 0  # requests sent (each attempt counts)
+    stale_connection_retries: int = 0  # resent after a kept-alive connection closed under them
     marked_unhealthy: int = 0  # healthy -> unhealthy transitions
     last_error: str | None = None
     probe_status: int | None = None  # HTTP status of the last /health probe (None: no answer)
@@ -239,6 +240,10 @@ class ProxyMetrics:
         family("pd_proxy_upstream_requests_total", "counter",
                "Requests sent to the upstream (every attempt counts).",
                [({"role": u.role, "upstream": u.url}, u.requests) for u in ups])
+        family("pd_proxy_upstream_stale_connection_retries_total", "counter",
+               "Requests resent to the upstream on a new connection because it closed the "
+               "kept-alive one before answering (keep-alive timeout race).",
+               [({"role": u.role, "upstream": u.url}, u.stale_connection_retries) for u in ups])
         return "\n".join(out) + "\n"
 
 

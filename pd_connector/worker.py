@@ -77,7 +77,6 @@ class WorkerHalf:
             mem_type=self.mem_type,
             backends=self.settings.nixl_backends,
             num_threads=self.settings.nixl_num_threads,
-            progress_thread=self.settings.nixl_progress_thread,
         )
         self.transport.register(allocations, regions)
         if self.settings.verify_state_digest and self.mamba_groups:

@@ -8,6 +8,10 @@ Nothing in here is imported by the connector itself. The submodules are:
   readiness polling, Prometheus metric reads).
 - ``oracle``: greedy token-id completions with logprobs, and a margin-aware comparison of a
   candidate (e.g. P/D) output against a reference (aggregated) output.
+- ``stack``: baseline + P + D + proxy, started together (tests/e2e, demo, integration script).
+- ``speculative_models``: the tiny Qwen3-Next with MTP modules and an EAGLE-1 drafter.
+- ``spec_matrix``: kv_both instances per speculative config, the P x D skew matrix, bf16 oracle.
+- ``scheduler_harness``: vLLM's in-process Scheduler with PDConnector (tests/vllm, benchmarks).
 
 Submodules are imported lazily by the caller so that ``import pd_connector.testing`` stays cheap
 (``tiny_models`` pulls in torch and transformers).

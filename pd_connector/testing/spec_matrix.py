@@ -26,9 +26,10 @@ from pd_connector.testing.oracle import Completion, Verdict, compare, complete
 from pd_connector.testing.servers import VllmServer, free_port
 from pd_connector.testing.speculative_models import MTP_MODULES
 
-# Connector settings of the many-instance test modules: NIXL's progress thread polls even when
-# idle (about a quarter of a core per instance), which five instances on two cores cannot afford.
-SPEC_EXTRA_CONFIG = {"handshake_timeout_seconds": 5, "lease_seconds": 30, "nixl_progress_thread": False}
+# Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
+# default): without it a peer's UCX wire-up waits for the other engine to step, and two kv_both
+# instances connecting to each other stalled for tens of seconds (measured, then reverted).
+SPEC_EXTRA_CONFIG = {"handshake_timeout_seconds": 5, "lease_seconds": 30}
 
 # bf16 oracle thresholds (GDN runs only in bf16 on CPU). Measured on the tiny Qwen3-Next with
 # agreeing configurations: chosen-token logprobs of P/D and aggregated serving differ by at most

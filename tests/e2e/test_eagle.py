@@ -70,7 +70,7 @@ def test_speculative_reference_is_deterministic(eagle):
         assert first.token_ids == second.token_ids, inst.setup.name
 
 
-@pytest.mark.parametrize(("p_name", "d_name"), [("eagle2", "eagle1"), ("eagle1", "eagle2"), ("eagle2", "eagle2")])
+@pytest.mark.parametrize(("p_name", "d_name"), [("eagle2", "eagle1"), ("eagle1", "eagle2")])
 def test_eagle_pd_matches_aggregated_at_block_boundaries(eagle, p_name, d_name):
     p, d = eagle[p_name], eagle[d_name]
     failures = []

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import json
 import socket
 
 from aiohttp import web
@@ -105,3 +107,67 @@ class FakeUpstream:
         if self.kv_params is not None:
             out["kv_transfer_params"] = self.kv_params
         return web.json_response(out)
+
+
+class RawUpstream:
+    """A fake upstream on a raw asyncio server, for failures aiohttp's server will not produce.
+
+    Every connection is kept alive and its requests answered with ``status`` and ``body``
+    (``content_type``), except that:
+
+    - ``drop_on``: the request with this number *on its connection* (1-based) is read and the
+      socket then closed without a byte of answer: what a client sees when uvicorn closes an idle
+      keep-alive connection just as a new request is sent on it;
+    - ``cut_after_headers``: every answer stops after its status line and headers (the body is
+      announced but never sent) and the connection is closed.
+
+    ``received``: the JSON body of every request read, answered or not.
+    """
+
+    def __init__(self, body: bytes, *, content_type="application/json", status=200,
+                 drop_on: int | None = None, cut_after_headers=False):
+        self.body, self.content_type, self.status = body, content_type, status
+        self.drop_on, self.cut_after_headers = drop_on, cut_after_headers
+        self.received: list[dict] = []
+        self.connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @contextlib.asynccontextmanager
+    async def serve(self):
+        """Serve on a free loopback port; yields the base URL."""
+        server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        host, port = server.sockets[0].getsockname()[:2]
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.close()
+            for writer in list(self._writers):
+                writer.close()
+            await server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections += 1
+        self._writers.add(writer)
+        try:
+            for number in itertools.count(1):
+                head = await reader.readuntil(b"\r\n\r\n")
+                headers = dict(line.split(": ", 1) for line in
+                               head.decode("latin-1").split("\r\n")[1:] if ": " in line)
+                length = int({k.lower(): v for k, v in headers.items()}.get("content-length", 0))
+                self.received.append(json.loads(await reader.readexactly(length) or b"{}"))
+                if number == self.drop_on:
+                    return
+                reason = "OK" if self.status == 200 else "Error"
+                writer.write(f"HTTP/1.1 {self.status} {reason}\r\nContent-Type: "
+                             f"{self.content_type}\r\nContent-Length: {len(self.body)}\r\n"
+                             "Connection: keep-alive\r\n\r\n".encode("latin-1"))
+                if self.cut_after_headers:
+                    await writer.drain()
+                    return
+                writer.write(self.body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed the connection
+        finally:
+            self._writers.discard(writer)
+            writer.close()
