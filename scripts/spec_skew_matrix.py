@@ -21,8 +21,7 @@ from pathlib import Path
 
 from pd_connector.testing.cpu_matrix import random_prompt
 from pd_connector.testing.oracle import CompletionError
-from pd_connector.testing.servers import start_many
-from pd_connector.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances
+from pd_connector.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances, running
 from pd_connector.testing.tiny_models import build_model
 
 
@@ -47,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     insts = make_instances(spec, names)
     cells = []
-    try:
-        start_many([i.server for i in insts.values()], timeout=900)
+    with running(insts):
         refs = {(d, n): insts[d].reference(random_prompt(n, 60), args.max_tokens) for d in names for n in lengths}
         for p_name in names:
             for d_name in names:
@@ -72,9 +70,6 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"  errors {', '.join(cell['errors'])}" if cell["errors"] else ""),
                     flush=True,
                 )
-    finally:
-        for inst in insts.values():
-            inst.server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"skew_{args.connector}.json"
     out.write_text(json.dumps({"connector": args.connector, "lengths": lengths, "cells": cells}, indent=1))

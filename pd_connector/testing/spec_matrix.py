@@ -16,6 +16,7 @@ the output against aggregated serving.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 from pd_connector.handoff import RecomputeProfile, choose_replay_offset, min_recompute_tokens
 from pd_connector.protocol import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, Verdict, compare, complete
-from pd_connector.testing.servers import VllmServer, free_port
+from pd_connector.testing.servers import VllmServer, free_port, start_many
 from pd_connector.testing.speculative_models import MTP_MODULES
 
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
@@ -202,3 +203,15 @@ def make_instances(spec: InstanceSpec, setups: Sequence[SpecSetup | str]) -> dic
         )
         out[setup.name] = SpecInstance(setup, server)
     return out
+
+
+@contextmanager
+def running(*groups: dict[str, SpecInstance], timeout: float = 900.0):
+    """Start every instance of ``groups`` in parallel; stop them all (by PID) on exit."""
+    servers = [inst.server for group in groups for inst in group.values()]
+    try:
+        start_many(servers, timeout=timeout)
+        yield groups[0] if len(groups) == 1 else groups
+    finally:
+        for server in servers:
+            server.stop()

@@ -16,7 +16,6 @@ import pytest
 
 from pd_connector.testing.cpu_matrix import CPU_MODELS, boundary_lengths, random_prompt
 from pd_connector.testing.oracle import compare
-from pd_connector.testing.servers import start_many
 from pd_connector.testing.spec_matrix import (
     HONOURED,
     SPEC_EXTRA_CONFIG,
@@ -25,6 +24,7 @@ from pd_connector.testing.spec_matrix import (
     expected_outcome,
     handoff,
     make_instances,
+    running,
 )
 from pd_connector.testing.tiny_models import build_model
 
@@ -70,12 +70,8 @@ def eagle(models_root, artifacts):
         extra_config=SPEC_EXTRA_CONFIG,
     )
     insts = make_instances(spec, [*setups, "ngram", "ngram_b"])
-    try:
-        start_many([i.server for i in insts.values()], timeout=900)
+    with running(insts):
         yield insts
-    finally:
-        for inst in insts.values():
-            inst.server.stop()
 
 
 def test_speculative_reference_is_deterministic(eagle):

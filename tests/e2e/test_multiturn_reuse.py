@@ -13,13 +13,13 @@ free of reference traffic so its cache hits come only from the handoff).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from pd_connector.testing.cpu_matrix import random_prompt
-from pd_connector.testing.servers import start_many
-from pd_connector.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances
+from pd_connector.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
 from pd_connector.testing.spec_matrix import check_bf16 as check
 from pd_connector.testing.tiny_models import build_model
 
@@ -37,15 +37,10 @@ def pair(models_root, artifacts):
         server_args=("--enable-prefix-caching",),
         extra_config=SPEC_EXTRA_CONFIG,
     )
-    insts = make_instances(spec, ["off"])
-    insts_d = make_instances(InstanceSpec(**{**spec.__dict__, "log_dir": artifacts / "multiturn-d"}), ["off"])
-    a, b = insts["off"], insts_d["off"]
-    try:
-        start_many([a.server, b.server], timeout=900)
-        yield a, b
-    finally:
-        a.server.stop()
-        b.server.stop()
+    a = make_instances(spec, ["off"])
+    b = make_instances(dataclasses.replace(spec, log_dir=artifacts / "multiturn-d"), ["off"])
+    with running(a, b):
+        yield a["off"], b["off"]
 
 
 def _hits(inst) -> tuple[float, float]:

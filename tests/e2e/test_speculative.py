@@ -16,7 +16,6 @@ import pytest
 
 from pd_connector.scheduler import FAULT_RESUME_SHIFT
 from pd_connector.testing.cpu_matrix import boundary_lengths, random_prompt
-from pd_connector.testing.servers import start_many
 from pd_connector.testing.spec_matrix import (
     HONOURED,
     LAYOUT_EVENTS,
@@ -28,6 +27,7 @@ from pd_connector.testing.spec_matrix import (
     expected_outcome,
     handoff,
     make_instances,
+    running,
 )
 from pd_connector.testing.tiny_models import build_model
 
@@ -47,12 +47,8 @@ def instances(models_root, artifacts):
         env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
     )
     insts = make_instances(spec, SETUP_NAMES)
-    try:
-        start_many([i.server for i in insts.values()], timeout=900)
+    with running(insts):
         yield insts
-    finally:
-        for inst in insts.values():
-            inst.server.stop()
 
 
 class _References:
