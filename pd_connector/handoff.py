@@ -124,19 +124,34 @@ Decision = Accepted | Refused
 
 
 def decide_on_decode(
-    raw_params: object, num_prompt_tokens: int, profile: RecomputeProfile
+    raw_params: object, num_prompt_tokens: int, profile: RecomputeProfile, num_groups: int | None = None
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
     D never derives an offset of its own. A P that sends none (e.g. vLLM's NixlConnector) gets
     the documented rule for that case: the handoff is refused with kind ``missing_offset`` and D
     prefills the prompt itself. Wrong output is never an option, a local recompute always is.
+
+    ``num_groups`` is D's number of transferred KV-cache groups. A different count means the two
+    engines lay out their caches differently (e.g. a drafter with its own KV on one side only);
+    that is checked before the offset, so the refusal names the structural cause, which no
+    routing hint can fix, rather than an offset a hint would only move.
     """
     try:
         params = decode_handoff_params(raw_params)
     except ProtocolError as exc:
         return Refused(kind=exc.kind, reason=str(exc))
     offset = params.replay_offset
+    if offset > 0 and num_groups is not None and len(params.remote_block_ids) != num_groups:
+        return Refused(
+            kind="group_mismatch",
+            reason=(
+                f"P sent {len(params.remote_block_ids)} block lists, this instance has {num_groups} "
+                "KV-cache groups (different cache layouts, e.g. a drafter with its own KV on one "
+                "side only)"
+            ),
+            params=params,
+        )
     if offset >= num_prompt_tokens:
         return Refused(
             kind="offset_out_of_range",

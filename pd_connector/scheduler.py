@@ -201,7 +201,9 @@ class SchedulerHalf:
     # -- D ---------------------------------------------------------------------------------
 
     def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
-        decision = handoff.decide_on_decode(params, request.num_prompt_tokens, self.profile)
+        decision = handoff.decide_on_decode(
+            params, request.num_prompt_tokens, self.profile, num_groups=len(self.layouts)
+        )
         if isinstance(decision, handoff.Refused):
             self.recorder.count(f"refused:{decision.kind}")
             logger.warning(
@@ -221,17 +223,6 @@ class SchedulerHalf:
         if isinstance(shift, int) and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
-        if len(decision.params.remote_block_ids) != len(self.layouts):
-            self.recorder.count("refused:group_mismatch")
-            logger.warning(
-                "pd_connector: request %s: refusing the handoff: P sent %d block lists, this "
-                "instance has %d KV-cache groups",
-                request.request_id,
-                len(decision.params.remote_block_ids),
-                len(self.layouts),
-            )
-            self._queue_release(decision.params)
-            return
         self._decisions[request.request_id] = decision
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

@@ -110,7 +110,7 @@ def complete(
     prompt_ids: Sequence[int],
     max_tokens: int,
     *,
-    logprobs: int | None = 2,
+    logprobs: int | None = 5,
     kv_transfer_params: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
     extra: Mapping[str, Any] | None = None,
@@ -119,7 +119,7 @@ def complete(
 
     temperature 0 and ignore_eos (random models emit EOS early, which would shorten outputs and
     truncate comparisons); ``logprobs=k`` asks for the top-k alternatives (>= 2 for the margin
-    check), None for none. ``extra`` is merged into the body last (e.g. ``{"seed": 1}``).
+    check; 5 by default so that ties of more than two tokens are visible), None for none. ``extra`` is merged into the body last (e.g. ``{"seed": 1}``).
     """
     body: dict[str, Any] = {
         "model": model,
@@ -211,8 +211,9 @@ def compare(
     - Tokens before the first difference must match exactly; over that prefix the chosen-token
       logprob difference is measured (and must be <= ``logprob_tol`` if given: a P/D offset error
       can shift logprobs without flipping a token, cpu-recipes 10.7.4).
-    - At the first difference, accept it as noise only if the reference's top-1/top-2 margin
-      there is below ``tie_margin`` and (with ``require_cross_membership``) each side's token is
+    - At the first difference, accept it as noise only if the reference's margin between its token
+      and the candidate's (top-1/top-2 if the candidate's is not among its alternatives) is below
+      ``tie_margin`` and (with ``require_cross_membership``) each side's token is
       among the other side's returned alternatives (a genuine tie swaps the two top tokens; a
       desync typically picks an unrelated token). The rest is then not compared.
     - A length mismatch without an earlier accepted tie fails (both sides use ignore_eos and the
@@ -252,6 +253,11 @@ def compare(
     margin: float | None = top_margin(ref_top) if ref_top else math.inf
     if math.isinf(margin):
         margin = None  # fewer than two alternatives known: no margin to judge by
+    elif c_tok in ref_top and r_tok in ref_top:
+        # The margin between the two tokens actually chosen: bf16 logits collide exactly, and a
+        # three-way tie's third token is as legitimate a choice as the second (seen on the tiny
+        # Qwen3-Next: margin 0 between top-1 and top-2, the candidate took a token tied with both).
+        margin = ref_top[r_tok] - ref_top[c_tok]
     detail = f"ref {r_tok} vs cand {c_tok}"
     if margin is None:
         reason = f"{detail}; reference has no top-2 logprobs here (request logprobs>=2)"

@@ -30,7 +30,11 @@ from pd_connector.testing.speculative_models import MTP_MODULES
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
 # default): without it a peer's UCX wire-up waits for the other engine to step, and two kv_both
 # instances connecting to each other stalled for tens of seconds (measured, then reverted).
-SPEC_EXTRA_CONFIG = {"handshake_timeout_seconds": 5, "lease_seconds": 30}
+# Generous timeouts: with four instances on two cores (fresh-clone CI, 2026-11-29) a first
+# handshake went unanswered for 5 s and two leases of 30 s expired before D's claim arrived;
+# each such handoff is recomputed correctly but counted as a load failure, not as the outcome
+# the skew matrix expects.
+SPEC_EXTRA_CONFIG = {"handshake_timeout_seconds": 20, "lease_seconds": 120}
 
 # bf16 oracle thresholds (GDN runs only in bf16 on CPU). Measured on the tiny Qwen3-Next with
 # agreeing configurations: chosen-token logprobs of P/D and aggregated serving differ by at most

@@ -24,6 +24,14 @@ _QWEN_FULL_ATTENTION_INTERVAL = 4
 # bf16 rounding noise grows with activation size; the float32 models' 0.2 (tiny_models._INIT_STD)
 # gave logprob differences of 0.03-0.25 between P/D and aggregated serving here.
 QWEN_INIT_STD = 0.02
+# ...but at 0.02 everywhere the GDN layers barely reach the output: D resuming one token early
+# (a desync) was caught on only 4 of 10 prompts by the bf16 oracle. Scaling only the GDN input
+# projection (q/k/v/z) by 2 and its output projection by 4 makes the recurrent path matter:
+# measured (vLLM CPU, self-handoff, 10 prompts of 31-257 tokens) the desync is caught on 10/10
+# (8 with a different first token), while agreeing handoffs still differ from aggregated
+# serving by at most 4e-3 in logprob (one bf16 step; the same as before the scaling). Powers of
+# two keep the scaling exact in bf16.
+GDN_WEIGHT_SCALES = {"linear_attn.in_proj_qkvz.weight": 2.0, "linear_attn.out_proj.weight": 4.0}
 
 
 def write(kind: str, out: Path, tok, common: dict[str, Any], seed: int) -> None:
@@ -64,6 +72,11 @@ def _write_qwen3_next_mtp(out: Path, common: dict[str, Any], seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            for suffix, scale in GDN_WEIGHT_SCALES.items():
+                if name.endswith(suffix):
+                    weight.mul_(scale)
     model.save_pretrained(out)
     weights_file = out / "model.safetensors"
     tensors = load_file(weights_file)

@@ -45,7 +45,7 @@ _BF16_KINDS = ("qwen3_next_mtp",)
 
 # Bump whenever anything below changes the produced files: a cached model dir whose marker
 # carries another spec is rebuilt instead of silently reused.
-_SPEC_VERSION = 1
+_SPEC_VERSION = 2
 _MARKER = "pd_tiny_model.json"
 _SEED = 0
 VOCAB_SIZE = 1024

@@ -645,3 +645,19 @@ def test_vllm_backoff_helper_matches_reference_table():
     assert vllm_backoff(RecomputeProfile(prefill_lookahead=4)) == 3
     assert vllm_backoff(RecomputeProfile(has_recurrent_state=True)) == 1
     assert vllm_backoff(RecomputeProfile(has_recurrent_state=True, prefill_lookahead=2)) == 1
+
+
+def test_group_count_mismatch_is_refused_before_the_offset_requirement():
+    """Regression (skew matrix, P without MTP -> D with MTP 3): D refused for the offset (which a
+    routing hint would only move) instead of for the different cache layout (which no hint
+    fixes), so the operator saw the wrong cause and the matrix counted the wrong event."""
+    profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3)  # needs 2
+    params = returned_params(32, [[1], [2], [3], [4]])  # 4 groups, leaves 1 token of 33
+    refused = decide_on_decode(params, 33, profile, num_groups=2)
+    assert isinstance(refused, Refused) and refused.kind == "group_mismatch", refused
+    assert "4 block lists" in refused.reason and "2 KV-cache groups" in refused.reason
+    assert refused.params is not None  # so D releases P's lease at once
+    assert decide_on_decode(params, 33, profile).kind == "offset_above_requirement"
+    assert isinstance(decide_on_decode(returned_params(30, [[1], [2]]), 33, profile, num_groups=2), Accepted)
+    # Nothing handed over (offset 0, no block lists) is never a layout mismatch.
+    assert isinstance(decide_on_decode(returned_params(0, []), 33, profile, num_groups=2), Accepted)

@@ -71,6 +71,22 @@ def test_tie_requires_cross_membership():
     assert compare(a, b, tie_margin=1e-5, require_cross_membership=False).ok
 
 
+def test_three_way_bf16_tie_is_accepted_when_the_candidate_token_is_tied_too():
+    """Regression (tiny Qwen3-Next, bf16, n=103): top-1 and top-2 exactly tied, the candidate
+    took a third token with the same logprob. With only top-2 alternatives requested that read
+    as a desync; the margin is now taken between the two tokens actually chosen."""
+    ref_tops = [{10: -1.0, 20: -2.0}, {11: -2.5, 42: -2.5, 77: -2.5, 5: -3.0}]
+    a = comp([10, 11], [-1.0, -2.5], ref_tops)
+    b = comp([10, 77], [-1.0, -2.5], [{10: -1.0, 20: -2.0}, {77: -2.5, 11: -2.5, 42: -2.5}])
+    v = compare(a, b, tie_margin=1e-3)
+    assert v.ok and v.tie_accepted and v.ref_margin == 0.0
+    # A candidate token among the alternatives but far below the reference's is no tie, even
+    # though the reference's own top-2 are tied.
+    c = comp([10, 5], [-1.0, -3.0], [{10: -1.0, 20: -2.0}, {5: -3.0, 11: -2.5}])
+    v = compare(a, c, tie_margin=1e-3)
+    assert not v.ok and v.ref_margin == pytest.approx(0.5)
+
+
 def test_missing_top2_never_accepts():
     a = comp([10, 11], [-1.0, -1.0], [{10: -1.0}, {11: -1.0}])
     b = comp([10, 12], [-1.0, -1.0], [{10: -1.0}, {12: -1.0}])
