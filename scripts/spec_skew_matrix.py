@@ -7,8 +7,13 @@ Starts one kv_both vLLM CPU instance per configuration ({off, ngram, MTP 1/2/3 t
 tiny bf16 Qwen3-Next with 3 MTP modules), hands each prompt from every instance to every other
 (and to itself), and compares D's output with D's own aggregated output (margin-aware, bf16).
 Prints one row per cell: how many prompts matched, diverged (with the first differing token),
-or failed with an HTTP error, and writes the table to ``.artifacts/bench/skew_<connector>.json``.
+or failed with an HTTP error, and writes the table to ``.artifacts/bench/skew_<connector>.json``
+after every cell (a partial run still leaves its record).
 Measurements, not assertions: tests/e2e/test_speculative.py asserts the PDConnector matrix.
+
+vLLM's NixlConnector cannot hand a request to its own instance (``register_remote_engine``:
+"Cannot register local engine ... as remote"), so its diagonal cells are skipped by default
+(``--diagonal`` forces them; they answer HTTP 500).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from pd_connector.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, h
 from pd_connector.testing.tiny_models import build_model
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connector", default="PDConnector", choices=["PDConnector", "NixlConnector"])
@@ -34,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--models", type=Path, default=None, help="tiny model root (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=Path(".artifacts/bench"))
+    ap.add_argument("--diagonal", action="store_true", help="also run P = D cells with NixlConnector")
     args = ap.parse_args(argv)
 
     names = args.setups.split(",")
@@ -48,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     with running(insts):
         refs = {(d, n): insts[d].reference(random_prompt(n, 60), args.max_tokens) for d in names for n in lengths}
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = args.out / f"skew_{args.connector}.json"
         for p_name in names:
             for d_name in names:
+                if p_name == d_name and args.connector != "PDConnector" and not args.diagonal:
+                    continue
                 cell = {"prefill": p_name, "decode": d_name, "match": 0, "diverged": [], "errors": []}
                 for n in lengths:
                     prompt = random_prompt(n, 60)
@@ -70,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"  errors {', '.join(cell['errors'])}" if cell["errors"] else ""),
                     flush=True,
                 )
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"skew_{args.connector}.json"
-    out.write_text(json.dumps({"connector": args.connector, "lengths": lengths, "cells": cells}, indent=1))
+                out.write_text(json.dumps({"connector": args.connector, "lengths": lengths, "cells": cells}, indent=1))
     print(f"wrote {out}")
     return 0
 
