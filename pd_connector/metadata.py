@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
-# slots: one of these per handoff, built inside vLLM's scheduling step (P: SendLease, D: RecvTask).
+# slots: one of these per handoff, built inside vLLM's scheduling step (D's RecvTask: a Struct).
 @dataclass(slots=True)
 class SendLease:
     """P: blocks of a finished request held for D until ``deadline`` (time.monotonic)."""
@@ -18,10 +19,14 @@ class SendLease:
     block_ids: list[list[int]]
 
 
-@dataclass(slots=True)
-class RecvTask:
+class RecvTask(msgspec.Struct):
     """D: read these block pairs from P. ``pairs`` None = the handoff could not be paired;
-    the worker reports the load failed so vLLM recomputes the prompt."""
+    the worker reports the load failed so vLLM recomputes the prompt.
+
+    A msgspec Struct, not a dataclass: built once per handoff inside vLLM's scheduling step,
+    where its keyword construction cost 1.2 µs as a slots dataclass and 0.25 µs as a Struct.
+    Never encoded by msgspec (vLLM pickles the metadata), so fields are not validated: the
+    scheduler fills them from already decoded ``HandoffParams``."""
 
     remote_engine_id: str
     remote_host: str

@@ -57,6 +57,9 @@ class PDStats(KVConnectorStats):
     def observe(self, name: str, value: float) -> None:
         self.data[name].append(value)
 
+    def observe_all(self, name: str, values: list[float]) -> None:
+        self.data[name].extend(values)
+
     def count(self, event: str, n: int = 1) -> None:
         events = self.data["events"]
         events[event] = events.get(event, 0) + n
@@ -108,6 +111,10 @@ class Recorder:
 
     def observe(self, name: str, value: float) -> None:
         self.interval.observe(name, value)
+
+    def observe_all(self, name: str, values: list[float]) -> None:
+        """Several samples at once (D records a step's handoffs in one call)."""
+        self.interval.observe_all(name, values)
 
 
 class PDPromMetrics(KVConnectorPromMetrics):

@@ -1,7 +1,8 @@
 """Which of P's blocks feed which of D's blocks, per KV-cache group, for one replay offset.
 
 Pure: ints, tuples and msgspec Structs. The adapters turn vLLM's ``KVCacheGroupSpec`` into
-``GroupLayout`` and block tables into lists of ints.
+``GroupLayout``; D's scheduler hands its vLLM block tables over with a converter
+(``BlockIdsOf``), so that only the blocks it pairs become ints.
 
 Invariants (property-tested in tests/unit/test_pairing.py):
 - vLLM's null block (id 0) and Mamba speculative scratch slots are never shipped or written.
@@ -12,6 +13,9 @@ Invariants (property-tested in tests/unit/test_pairing.py):
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -53,17 +57,25 @@ def window_first_block(layout: GroupLayout, offset: int) -> int:
     return max(0, offset - layout.sliding_window + 1) // layout.block_size
 
 
-def mamba_state_slot(layout: GroupLayout, ids: list[int]) -> int | None:
-    """The slot of a Mamba block table that holds the running state.
+def mamba_state_index(layout: GroupLayout, table_len: int) -> int | None:
+    """Position of the running state in a Mamba block table of ``table_len`` slots.
 
     Mirrors vLLM's ``clip_ssm_state_blocks`` (kv_connector/utils.py): drop up to
     ``num_speculative_blocks`` trailing scratch slots (keeping at least one), then take the last.
-    Returns None when the table holds no usable slot (empty or null).
+    None for an empty table.
     """
-    if not ids:
+    if table_len <= 0:
         return None
-    scratch = min(layout.num_speculative_blocks, len(ids) - 1)
-    slot = ids[len(ids) - 1 - scratch]
+    return table_len - 1 - min(layout.num_speculative_blocks, table_len - 1)
+
+
+def mamba_state_slot(layout: GroupLayout, ids: Sequence[int]) -> int | None:
+    """The slot of a Mamba block table that holds the running state (``mamba_state_index``).
+    Returns None when the table holds no usable slot (empty or null)."""
+    index = mamba_state_index(layout, len(ids))
+    if index is None:
+        return None
+    slot = ids[index]
     return None if slot == NULL_BLOCK else slot
 
 
@@ -107,8 +119,8 @@ class BlockPairs:
     """One group's ``(P block, D block)`` pairs, held as two equal-length id lists.
 
     D pairs every handoff inside vLLM's scheduling step; building these from two list slices
-    instead of one tuple per block is what keeps long prompts cheap there (see
-    ``pd_connector.benchmarks.scheduler``). It reads as the sequence of pairs (``len``,
+    (or P's list itself) instead of one tuple per block is what keeps long prompts cheap there
+    (see ``pd_connector.benchmarks.scheduler``). It reads as the sequence of pairs (``len``,
     iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
     ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
     """
@@ -166,62 +178,69 @@ def pair_blocks(
 def pair_block_lists(
     layouts: tuple[GroupLayout, ...],
     remote_ids: list[list[int]],
-    local_ids: tuple[list[int], ...],
+    local_tables: Sequence[Sequence[Any]],
     offset: int,
     local_hit: int,
+    *,
+    block_ids: Callable[[Sequence[Any]], list[int]] = list,
+    remote_checked: bool = False,
 ) -> list[BlockPairs]:
     """D side: ``(P block, D block)`` pairs per group for a load of tokens [local_hit, offset).
 
-    ``remote_ids`` is what P sent (``select_source_blocks``); ``local_ids`` is D's per-group
+    ``remote_ids`` is what P sent (``select_source_blocks``); ``local_tables`` is D's per-group
     block table after allocation (local prefix hit included); ``local_hit`` is the block-aligned
-    number of tokens D already had. Raises ``PairingError`` when the shapes cannot be reconciled
-    (tampered params or a P with a different layout) so the caller recomputes instead.
+    number of tokens D already had. ``block_ids`` turns a run of table entries into block ids
+    (default: the tables hold ids); D's scheduler passes vLLM's own tables of ``KVCacheBlock``
+    so that only the blocks paired are converted: a 4k-token prompt has 256 blocks per group,
+    and a Mamba group's table is as long as an attention group's though one slot is read.
+
+    ``remote_checked``: the caller guarantees every remote id is a positive int (D's scheduler:
+    ``protocol.BlockId``, checked by msgspec when the params were decoded), so the per-id
+    re-check is skipped (``min`` over 256 ids: ~5 µs on the shared dev VM, as much as the
+    conversion); every shape check, and every check of D's own table, still runs.
+
+    Raises ``PairingError`` when the shapes cannot be reconciled (tampered params or a P with a
+    different layout) so the caller recomputes instead.
+
+    One loop, no helper call per group: D pairs inside vLLM's scheduling step, where caches are
+    cold and each extra Python frame costs microseconds (``pd_connector.benchmarks.scheduler``).
+    Attention-type groups pair ``(remote[pos - base], local[pos])`` for ``pos`` in
+    ``[first, n)``, as two slices (P's list itself when all of it is paired: nobody mutates a
+    handoff's block lists).
     """
-    if len(layouts) != len(remote_ids) or len(layouts) != len(local_ids):
+    if len(layouts) != len(remote_ids) or len(layouts) != len(local_tables):
         raise PairingError(
             f"group count mismatch: {len(layouts)} local groups, {len(remote_ids)} remote "
-            f"lists, {len(local_ids)} local lists"
+            f"lists, {len(local_tables)} local lists"
         )
     if not 0 <= local_hit < offset:
         raise PairingError(f"nothing to load: local hit {local_hit}, offset {offset}")
     pairs: list[BlockPairs] = []
-    for group, (layout, remote, local) in enumerate(zip(layouts, remote_ids, local_ids)):
+    for group, (layout, remote, local) in enumerate(zip(layouts, remote_ids, local_tables)):
         if layout.kind == MAMBA:
-            pairs.append(_pair_mamba(group, layout, remote, list(local)))
+            if len(remote) != 1 or remote[0] <= NULL_BLOCK:
+                raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
+            # mamba_state_index, inline.
+            index = len(local) - 1 - min(layout.num_speculative_blocks, len(local) - 1)
+            slot = block_ids(local[index : index + 1])[0] if local else NULL_BLOCK
+            if slot == NULL_BLOCK:
+                raise PairingError(f"group {group}: D has no Mamba state slot in {block_ids(local)}")
+            pairs.append(BlockPairs([remote[0]], [slot]))
             continue
-        n = cdiv(offset, layout.block_size)
+        block_size = layout.block_size
+        n = -(-offset // block_size)  # cdiv, inline
         if len(local) < n:
-            raise PairingError(
-                f"group {group}: D allocated {len(local)} blocks for {offset} tokens"
-            )
-        if remote and min(remote) <= NULL_BLOCK:
+            raise PairingError(f"group {group}: D allocated {len(local)} blocks for {offset} tokens")
+        if not remote_checked and remote and min(remote) <= NULL_BLOCK:
             raise PairingError(f"group {group}: P sent a null or negative block id: {remote}")
         # Position of remote[0] in the token sequence (sliding windows send only the window).
         base = window_first_block(layout, offset) if layout.kind == SLIDING_WINDOW else 0
         if len(remote) != n - base:
-            raise PairingError(
-                f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {n - base}"
-            )
-        pairs.append(_pair_positions(group, remote, local, base, max(local_hit // layout.block_size, base), n))
+            raise PairingError(f"group {group}: P sent {len(remote)} blocks, offset {offset} needs {n - base}")
+        first = max(local_hit // block_size, base)
+        targets = block_ids(local if first == 0 and n == len(local) else local[first:n])
+        if NULL_BLOCK in targets:
+            pos = first + targets.index(NULL_BLOCK)
+            raise PairingError(f"group {group}: D's block table has a null at {pos}: {block_ids(local)}")
+        pairs.append(BlockPairs(remote if first == base else remote[first - base :], targets))
     return pairs
-
-
-def _pair_positions(
-    group: int, remote: list[int], local: list[int], base: int, first: int, end: int
-) -> BlockPairs:
-    """``(remote[pos - base], local[pos])`` for ``pos`` in ``[first, end)``: two slices, no
-    Python loop per block (a 4k-token prompt has hundreds of blocks per group)."""
-    targets = local[first:end]
-    if NULL_BLOCK in targets:
-        pos = first + targets.index(NULL_BLOCK)
-        raise PairingError(f"group {group}: D's block table has a null at {pos}: {local}")
-    return BlockPairs(remote[first - base : end - base], targets)
-
-
-def _pair_mamba(group: int, layout: GroupLayout, remote: list[int], local: list[int]) -> BlockPairs:
-    if len(remote) != 1 or remote[0] <= NULL_BLOCK:
-        raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
-    slot = mamba_state_slot(layout, local)
-    if slot is None:
-        raise PairingError(f"group {group}: D has no Mamba state slot in {local}")
-    return BlockPairs([remote[0]], [slot])

@@ -30,9 +30,9 @@ from pd_connector.pairing import (
     GroupLayout,
     BlockPairs,
     PairingError,
-    _pair_positions,
     pair_block_lists,
     cdiv,
+    mamba_state_index,
     mamba_state_slot,
     pair_blocks,
     select_source_blocks,
@@ -539,21 +539,30 @@ def test_pair_blocks_refuses_null_remote_block(layout, remote, local, offset):
 
 @FEWER
 @given(st.data())
-def test_pair_positions_is_the_per_position_definition(data):
+def test_sliced_pairing_is_the_per_position_definition(data):
     """The sliced pairing (no Python loop per block) equals its definition, position by
-    position, and refuses a null D block at the first null position."""
-    end = data.draw(st.integers(0, 40))
-    base = data.draw(st.integers(0, end))
-    first = data.draw(st.integers(base, end))
+    position, and refuses a null D block at the first null position. One token per block, so
+    positions are tokens: ``base`` (where P's list starts) comes from a sliding window."""
+    end = data.draw(st.integers(1, 40))
+    base = data.draw(st.integers(0, end - 1))
+    first = data.draw(st.integers(base, end - 1))
+    layout = GroupLayout(SLIDING_WINDOW, 1, sliding_window=end - base + 1) if base else GroupLayout(ATTENTION, 1)
+    assert layout.kind == ATTENTION or window_first_block(layout, end) == base
     remote = data.draw(st.lists(st.integers(1, 10**6), min_size=end - base, max_size=end - base))
     local = data.draw(st.lists(st.integers(0, 3), min_size=end, max_size=end + 3))
+    as_vllm = data.draw(st.booleans())
+    table, convert = (as_blocks([local])[0], CountingIds()) if as_vllm else (local, list)
+
+    def pair():
+        return pair_block_lists((layout,), [remote], (table,), end, first, block_ids=convert)
+
     nulls = [pos for pos in range(first, end) if local[pos] == NULL_BLOCK]
     if nulls:
         with pytest.raises(PairingError, match=f"null at {nulls[0]}:"):
-            _pair_positions(0, remote, local, base, first, end)
+            pair()
     else:
         expected = [(remote[pos - base], local[pos]) for pos in range(first, end)]
-        assert _pair_positions(0, remote, local, base, first, end) == expected
+        assert pair() == [expected]
 
 
 def test_block_pairs_read_as_the_list_of_pairs():
@@ -587,3 +596,105 @@ def test_pair_block_lists_are_pair_blocks(sc):
     lists = pair_block_lists(sc.layouts, sent, sc.d_ids(), sc.offset, sc.local_hit)
     assert all(isinstance(g, BlockPairs) for g in lists)
     assert [list(g) for g in lists] == pair_blocks(sc.layouts, sent, sc.d_ids(), sc.offset, sc.local_hit)
+
+
+# --- vLLM-shaped tables (D's scheduler) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeBlock:
+    """Stands in for vLLM's ``KVCacheBlock``: D's scheduler pairs its tables of these."""
+
+    block_id: int
+    pos: int  # position in its table (what the tests check was converted)
+
+
+class CountingIds:
+    """A ``block_ids`` converter for ``FakeBlock`` tables that records each run it converts."""
+
+    def __init__(self):
+        self.converted: list[list[int]] = []
+
+    def __call__(self, blocks):
+        self.converted.append([block.pos for block in blocks])
+        return [block.block_id for block in blocks]
+
+
+def as_blocks(tables):
+    return tuple([FakeBlock(block_id, pos) for pos, block_id in enumerate(t)] for t in tables)
+
+
+@FEWER
+@given(scenarios(), st.booleans())
+def test_pairing_vllm_block_tables_equals_pairing_their_ids(sc, remote_checked):
+    """D's scheduler hands over vLLM's block tables with a converter (and P's ids, already
+    range-checked when decoded): the pairs, or the refusal, are exactly those of the ids."""
+    sent = select_source_blocks(sc.layouts, sc.p_ids(), sc.offset)
+    convert = CountingIds()
+    try:
+        expected = pair_blocks(sc.layouts, sent, sc.d_ids(), sc.offset, sc.local_hit)
+    except PairingError:
+        with pytest.raises(PairingError):
+            pair_block_lists(
+                sc.layouts, sent, as_blocks(sc.d_ids()), sc.offset, sc.local_hit,
+                block_ids=convert, remote_checked=remote_checked,
+            )
+        return
+    got = pair_block_lists(
+        sc.layouts, sent, as_blocks(sc.d_ids()), sc.offset, sc.local_hit,
+        block_ids=convert, remote_checked=remote_checked,
+    )
+    assert [list(g) for g in got] == expected
+
+
+@FEWER
+@given(scenarios())
+def test_pairing_converts_only_the_blocks_it_pairs(sc):
+    """Regression (issue #5): D converted every block of every group to ids (vLLM's
+    get_block_ids), Mamba tables included, inside vLLM's scheduling step; now one slice per
+    attention-type group, exactly the paired positions, and one slot per Mamba group."""
+    sent = select_source_blocks(sc.layouts, sc.p_ids(), sc.offset)
+    tables = as_blocks(sc.d_ids())
+    convert = CountingIds()
+    try:
+        pairs = pair_block_lists(sc.layouts, sent, tables, sc.offset, sc.local_hit, block_ids=convert)
+    except PairingError:
+        return
+    assert len(convert.converted) == len(sc.layouts), "one conversion per group"
+    for layout, table, positions, group_pairs in zip(sc.layouts, tables, convert.converted, pairs):
+        assert len(positions) == len(group_pairs)
+        if layout.kind == MAMBA:
+            assert positions == [mamba_state_index(layout, len(table))]
+        else:
+            start = first_paired_block(layout, sc.offset, sc.local_hit)
+            assert positions == list(range(start, cdiv(sc.offset, layout.block_size)))
+
+
+@pytest.mark.parametrize(
+    "layout, remote, local, offset",
+    [
+        (GroupLayout(ATTENTION, 4), [[1, 2, 3]], ([5, 0, 7],), 12),
+        (GroupLayout(ATTENTION, 4), [[1, 2]], ([5, 6, 7],), 12),
+        (GroupLayout(ATTENTION, 4), [[1, 2, 3]], ([5, 6],), 12),
+        (GroupLayout(MAMBA, 16), [[3, 4]], ([5],), 12),
+        (GroupLayout(MAMBA, 16), [[0]], ([5],), 12),
+        (GroupLayout(MAMBA, 16), [[3]], ([0],), 12),
+        (GroupLayout(MAMBA, 16), [[3]], ([],), 12),
+    ],
+    ids=["null-local", "short-remote", "short-local", "two-mamba-slots", "null-mamba-remote",
+         "null-mamba-local", "empty-mamba-table"],
+)
+def test_remote_checked_skips_only_the_per_id_recheck_of_p_ids(layout, remote, local, offset):
+    """``remote_checked`` trusts P's ids to be positive (protocol.BlockId); every shape check
+    and every check of D's own table still refuses."""
+    with pytest.raises(PairingError):
+        pair_block_lists((layout,), remote, as_blocks(local), offset, 0, block_ids=CountingIds(), remote_checked=True)
+
+
+@pytest.mark.parametrize("nsb", [0, 1, 2, 5])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
+def test_mamba_state_index_is_where_mamba_state_slot_reads(nsb, n):
+    layout = GroupLayout(MAMBA, 16, num_speculative_blocks=nsb)
+    ids = list(range(1, n + 1))
+    index = mamba_state_index(layout, n)
+    assert mamba_state_slot(layout, ids) == (None if index is None else ids[index])

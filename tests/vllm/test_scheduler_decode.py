@@ -173,3 +173,22 @@ def test_d_mismatched_group_count_is_refused(model_dir):
     _, out = admit(d, prompt, params)
     assert connector_half(d).stats["refused:group_mismatch"] == 1
     assert list(out.num_scheduled_tokens.values()) == [40]
+
+
+def test_d_reports_each_accepted_handoff_in_the_step_that_admits_it(model_dir):
+    """D records a step's accepted handoffs in one go (build_connector_meta), not one by one
+    inside the admission loop: none may be lost, counted twice or reported a step late."""
+    prompts = [list(range(100 + 50 * i, 140 + 50 * i)) for i in range(3)]
+    params = [p_params(model_dir, prompt, HYBRID) for prompt in prompts]
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    for prompt, pp in zip(prompts, params):
+        d.add_request(make_request(prompt, dict(pp)))
+    out, outputs = run_step(d)
+    assert len(out.kv_connector_metadata.to_recv) == 3
+    assert connector_half(d).stats["handoff_accepted"] == 3
+    (stats,) = [eco.scheduler_stats.kv_connector_stats for eco in outputs.values() if eco.scheduler_stats]
+    assert stats["events"]["handoff_accepted"] == 3
+    assert stats["recompute_tokens"] == [40 - pp["replay_offset"] for pp in params]
+    _, outputs = run_step(d)
+    later = [eco.scheduler_stats.kv_connector_stats for eco in outputs.values() if eco.scheduler_stats]
+    assert not any(s and s["recompute_tokens"] for s in later), "reported once"
