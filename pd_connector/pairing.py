@@ -202,8 +202,8 @@ def pair_block_lists(
     Raises ``PairingError`` when the shapes cannot be reconciled (tampered params or a P with a
     different layout) so the caller recomputes instead.
 
-    One loop, no helper call per group: D pairs inside vLLM's scheduling step, where caches are
-    cold and each extra Python frame costs microseconds (``pd_connector.benchmarks.scheduler``).
+    One loop over the groups (D pairs inside vLLM's scheduling step, where each Python frame
+    costs; pd_connector.benchmarks.scheduler), but the slot rule stays in mamba_state_index.
     Attention-type groups pair ``(remote[pos - base], local[pos])`` for ``pos`` in
     ``[first, n)``, as two slices (P's list itself when all of it is paired: nobody mutates a
     handoff's block lists).
@@ -220,15 +220,15 @@ def pair_block_lists(
         if layout.kind == MAMBA:
             if len(remote) != 1 or remote[0] <= NULL_BLOCK:
                 raise PairingError(f"group {group}: P sent {len(remote)} Mamba slots, expected 1")
-            # mamba_state_index, inline.
-            index = len(local) - 1 - min(layout.num_speculative_blocks, len(local) - 1)
-            slot = block_ids(local[index : index + 1])[0] if local else NULL_BLOCK
+            # One rule for the state slot (scratch slots excluded): mamba_state_index.
+            index = mamba_state_index(layout, len(local))
+            slot = NULL_BLOCK if index is None else block_ids(local[index : index + 1])[0]
             if slot == NULL_BLOCK:
                 raise PairingError(f"group {group}: D has no Mamba state slot in {block_ids(local)}")
             pairs.append(BlockPairs([remote[0]], [slot]))
             continue
         block_size = layout.block_size
-        n = -(-offset // block_size)  # cdiv, inline
+        n = cdiv(offset, block_size)
         if len(local) < n:
             raise PairingError(f"group {group}: D allocated {len(local)} blocks for {offset} tokens")
         if not remote_checked and remote and min(remote) <= NULL_BLOCK:

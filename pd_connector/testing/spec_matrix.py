@@ -156,6 +156,21 @@ class SpecInstance:
         return out
 
 
+def caught_desyncs(
+    p: SpecInstance, d: SpecInstance, prompts: Sequence[Sequence[int]], max_tokens: int, reference
+) -> list[bool]:
+    """Negative control: per prompt, whether the bf16 oracle catches D resuming one token early
+    on the state P computed for its offset (what a P/D pair backing off differently does).
+    ``reference(prompt)`` is D's aggregated output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
+    from pd_connector.scheduler import FAULT_RESUME_SHIFT
+
+    caught = []
+    for prompt in prompts:
+        params = {**p.prefill(prompt), FAULT_RESUME_SHIFT: -1}
+        caught.append(not check_bf16(reference(prompt), d.decode(prompt, params, max_tokens)).ok)
+    return caught
+
+
 def handoff(p: SpecInstance, d: SpecInstance, prompt: Sequence[int], max_tokens: int, hint: bool = False):
     extra = {KEY_MIN_RECOMPUTE: min_recompute_tokens(d.setup.profile)} if hint else {}
     params = p.prefill(prompt, **extra)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector.scheduler import FAULT_RESUME_SHIFT
 from pd_connector.testing.cpu_matrix import boundary_lengths, random_prompt
 from pd_connector.testing.spec_matrix import (
     HONOURED,
     SPEC_EXTRA_CONFIG,
     InstanceSpec,
     SpecSetup,
+    caught_desyncs,
     check_bf16 as check,
     expected_outcome,
     handoff,
@@ -81,11 +81,8 @@ def test_eagle_pd_matches_aggregated_at_block_boundaries(eagle, p_name, d_name):
 def test_desynced_eagle_handoff_is_caught(eagle):
     """Negative control: D resumes one token early on the state P computed for R. The oracle above
     must catch it on nearly every prompt, or its passing means nothing."""
-    p, d = eagle["eagle2"], eagle["eagle1"]
+    d = eagle["eagle1"]
     lengths = (33, 64, 65, 100, 129, 200)
-    caught = []
-    for n in lengths:
-        prompt = random_prompt(n, seed=52)
-        params = {**p.prefill(prompt), FAULT_RESUME_SHIFT: -1}
-        caught.append(not check(d.reference(prompt, MAX_TOKENS), d.decode(prompt, params, MAX_TOKENS)).ok)
+    prompts = [random_prompt(n, seed=52) for n in lengths]
+    caught = caught_desyncs(eagle["eagle2"], d, prompts, MAX_TOKENS, lambda prompt: d.reference(prompt, MAX_TOKENS))
     assert sum(caught) >= len(lengths) - 1, f"only {sum(caught)}/{len(lengths)} desyncs detected: {caught}"

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from pd_connector.scheduler import FAULT_RESUME_SHIFT
 from pd_connector.testing.cpu_matrix import boundary_lengths, random_prompt
 from pd_connector.testing.spec_matrix import (
     HONOURED,
@@ -22,6 +21,7 @@ from pd_connector.testing.spec_matrix import (
     REFUSED_LAYOUT,
     REFUSED_OFFSET,
     SPEC_EXTRA_CONFIG,
+    caught_desyncs,
     check_bf16 as check,
     InstanceSpec,
     expected_outcome,
@@ -148,11 +148,9 @@ def test_desynced_offset_is_caught_by_the_bf16_oracle(instances, references):
     early on the state P computed for R (what vLLM's NixlConnector does when P and D back off
     differently). Must fail nearly always. Regression: on the first tiny Qwen3-Next (GDN weights
     at init std 0.02) only 2 of 6 were caught; speculative_models.GDN_WEIGHT_SCALES fixed that."""
-    p, d = instances["mtp2"], instances["mtp1"]
     lengths = (33, 64, 65, 100, 129, 200)
-    caught = []
-    for n in lengths:
-        prompt = random_prompt(n, seed=23)
-        params = {**p.prefill(prompt), FAULT_RESUME_SHIFT: -1}
-        caught.append(not check(references("mtp1", prompt), d.decode(prompt, params, MAX_TOKENS)).ok)
+    prompts = [random_prompt(n, seed=23) for n in lengths]
+    caught = caught_desyncs(
+        instances["mtp2"], instances["mtp1"], prompts, MAX_TOKENS, lambda prompt: references("mtp1", prompt)
+    )
     assert sum(caught) >= len(lengths) - 1, f"only {sum(caught)}/{len(lengths)} desyncs detected: {caught}"
