@@ -29,6 +29,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_num_threads: int = 0
+    # vLLM keeps stepping, with nothing scheduled, as long as P holds a lease or D waits for a
+    # load (Scheduler.has_requests): a busy loop of the engine core and the worker. In such an
+    # empty step the worker waits up to this long for the side channel to bring news (woken at
+    # once by a claim, release or handshake reply). 0: never wait (vLLM's own behaviour).
+    idle_step_wait_ms: float = 2.0
     # Over DRAM, D posts a READ in slices of at most this many MiB, one per engine-step hook,
     # because UCX copies inside the post call (it would block D's engine thread for the whole
     # copy). 0: one post per request. Ignored over VRAM (posts there are asynchronous).
@@ -60,6 +65,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        if not (0 <= self.idle_step_wait_ms <= 1000):
+            raise ValueError(f"idle_step_wait_ms must be between 0 and 1000, got {self.idle_step_wait_ms}")
         if self.nixl_read_chunk_mib < 0:
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
         if self.nixl_num_threads < 0:

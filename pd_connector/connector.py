@@ -81,7 +81,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        meta = self._scheduler.build_connector_meta()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, (block_ids,))

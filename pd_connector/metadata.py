@@ -68,3 +68,6 @@ class PDMetadata(KVConnectorMetadata):
     to_recv: dict[str, RecvTask] = field(default_factory=dict)
     to_release: list[ReleaseTask] = field(default_factory=list)
     to_extend: list[ExtendTask] = field(default_factory=list)
+    # The engine step scheduled no tokens: vLLM steps anyway while a connector holds requests
+    # (Scheduler.has_requests), so the worker may wait a little instead of spinning.
+    idle: bool = False

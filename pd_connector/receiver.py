@@ -17,6 +17,7 @@ All NIXL calls stay on the engine thread; the background thread only speaks ZMQ.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +70,7 @@ class Receiver:
         compat: EngineCompat,
         state_digest: Callable[[list[list[int]]], bytes] | None,
         corrupt_state: Callable[[list[list[int]]], None] | None = None,
+        wake: threading.Event | None = None,
     ):
         self.transport = transport
         self.settings = settings
@@ -85,6 +87,9 @@ class Receiver:
         # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
         # waits for its grant does not hold up the others.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-side-channel")
+        # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
+        # (WorkerHalf.get_transfer_results) resumes at once.
+        self._wake = wake
         self._handshakes: dict[str, Future] = {}
         self._peer_errors: dict[str, str] = {}
         self._waiting: dict[str, RecvTask] = {}
@@ -102,7 +107,7 @@ class Receiver:
         self._waiting[request_id] = task
         key = task.remote_engine_id
         if not self.transport.has_peer(key) and key not in self._handshakes:
-            self._handshakes[key] = self._executor.submit(self._handshake, task)
+            self._handshakes[key] = self._submit(self._handshake, task)
 
     def release(self, task: ReleaseTask) -> None:
         self._executor.submit(self._send_release, task)
@@ -126,6 +131,16 @@ class Receiver:
 
     def pending(self) -> int:
         return len(self._waiting) + len(self._claims) + len(self._reads)
+
+    def reading(self) -> bool:
+        """A READ is in flight: the engine thread must keep polling (and posting slices)."""
+        return bool(self._reads)
+
+    def _submit(self, fn, task: RecvTask) -> Future:
+        future = self._executor.submit(fn, task)
+        if self._wake is not None:
+            future.add_done_callback(lambda _: self._wake.set())
+        return future
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -156,7 +171,7 @@ class Receiver:
                 self._fail(request_id, f"handshake failed: {self._peer_errors[key]}", "handshake")
             elif self.transport.has_peer(key):
                 del self._waiting[request_id]
-                self._claims[request_id] = (task, self._executor.submit(self._claim, task), time.monotonic())
+                self._claims[request_id] = (task, self._submit(self._claim, task), time.monotonic())
         if self._peer_errors and not self._waiting and not self._handshakes:
             # A later request retries a peer that failed (it may have restarted).
             self._peer_errors.clear()

@@ -68,6 +68,11 @@ class WorkerHalf:
         # P-side events; written under _lease_changed (the side-channel thread counts too).
         self.recorder = Recorder()
         self._rejected_seen: dict[str, int] = {}
+        # Idle steps (nothing scheduled, only connector work pending) wait on this instead of
+        # spinning; side-channel news sets it. See ConnectorSettings.idle_step_wait_ms.
+        self._wake = threading.Event()
+        self._idle_step = False
+        self._idle_wait_s = settings.idle_step_wait_ms / 1000.0
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -98,7 +103,9 @@ class WorkerHalf:
         if self._digester is not None:
             digest = lambda blocks: self._digester.digest(blocks, self.mamba_groups)  # noqa: E731
             corrupt = lambda blocks: self._digester.corrupt(blocks, self.mamba_groups)  # noqa: E731
-        self.receiver = Receiver(self.transport, self.settings, self.engine_id, self.compat, digest, corrupt)
+        self.receiver = Receiver(
+            self.transport, self.settings, self.engine_id, self.compat, digest, corrupt, wake=self._wake
+        )
         if self.is_producer:
             self.server = side_channel.SideChannelServer(
                 self.settings.side_channel_host,
@@ -116,6 +123,12 @@ class WorkerHalf:
     # -- P: side-channel thread ----------------------------------------------------------------
 
     def _serve(self, message: Message) -> Message:
+        try:
+            return self._answer(message)
+        finally:
+            self._wake.set()  # a claim, release or extension: an idle step looks again now
+
+    def _answer(self, message: Message) -> Message:
         if isinstance(message, Hello):
             diffs = compat_differences(self.compat, message.compat)
             if diffs:
@@ -167,6 +180,7 @@ class WorkerHalf:
     # -- per step (engine thread) --------------------------------------------------------------
 
     def start_load_kv(self, meta: PDMetadata) -> None:
+        self._idle_step = meta.idle
         if meta.to_send:
             with self._lease_lock:
                 for request_id, lease in meta.to_send.items():
@@ -181,7 +195,25 @@ class WorkerHalf:
         if self.receiver is not None:
             self.receiver.advance()
 
+    def _wait_if_idle(self) -> None:
+        """In a step that scheduled nothing, wait (bounded) for side-channel news instead of
+        returning at once. vLLM steps again immediately while we hold a lease or wait for a
+        load (Scheduler.has_requests): without the wait, the engine core and this worker spin
+        for the whole lease, a core's worth of CPU taken from whatever else runs on a CPU host.
+        Never while a READ is in flight (its slices are posted and polled step by step)."""
+        if not (self._idle_step and self._idle_wait_s):
+            return
+        receiver = self.receiver
+        if receiver is not None and receiver.reading():
+            return
+        with self._lease_lock:
+            holding = len(self._leases) > 0
+        if holding or (receiver is not None and receiver.pending()):
+            self._wake.wait(self._idle_wait_s)
+            self._wake.clear()  # whatever set it is polled right below
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
+        self._wait_if_idle()
         finished_recving: set[str] = set()
         failed: set[str] = set()
         if self.receiver is not None:

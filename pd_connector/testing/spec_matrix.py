@@ -16,6 +16,7 @@ the output against aggregated serving.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,13 +202,32 @@ def kv_both_config(spec: InstanceSpec) -> str:
     )
 
 
-def make_instances(spec: InstanceSpec, setups: Sequence[SpecSetup | str]) -> dict[str, SpecInstance]:
-    """Unstarted instances, one per setup (``servers.start_many`` starts them in parallel)."""
+def cpu_binds(count: int, first_core: int = 0) -> list[tuple[str, dict[str, str]]]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` and extra environment for ``count`` instances run at once.
+
+    Never two on one core: a vLLM CPU worker spins on ``sched_yield`` between steps (for a second
+    after each, and without pause while a connector keeps the engine stepping), and on this
+    kernel a spinning task pinned to a core starved another instance pinned to the same core
+    for minutes (measured: a D worker runnable for 135 s, run for 19 s; its first handshake
+    timed out). Up to the core count: one core each, from ``first_core``. More: unpinned, one
+    OpenMP thread each, so the kernel can move a waiting instance to the other core."""
+    cores = os.cpu_count() or 1
+    if count <= cores:
+        return [(str((first_core + i) % cores), {}) for i in range(count)]
+    return [("nobind", {"OMP_NUM_THREADS": "1"}) for _ in range(count)]
+
+
+def make_instances(
+    spec: InstanceSpec, setups: Sequence[SpecSetup | str], first_core: int = 0
+) -> dict[str, SpecInstance]:
+    """Unstarted instances, one per setup (``servers.start_many`` starts them in parallel).
+    ``first_core``: for groups made separately but run together (see ``cpu_binds``)."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    for i, setup in enumerate(setups):
+    binds = cpu_binds(len(setups), first_core)
+    for (bind, bind_env), setup in zip(binds, setups):
         setup = SETUPS[setup] if isinstance(setup, str) else setup
-        env = dict(spec.env)
+        env = {**bind_env, **spec.env}
         if spec.kv_connector != "PDConnector":
             # NixlConnector's side channel port comes from the environment (default 5600).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -217,7 +237,7 @@ def make_instances(spec: InstanceSpec, setups: Sequence[SpecSetup | str]) -> dic
             max_model_len=spec.max_model_len,
             extra_args=[*spec.server_args, *setup.server_args(), "--kv-transfer-config", kv_both_config(spec)],
             env=env,
-            omp_threads_bind=str(i % 2),
+            omp_threads_bind=bind,
             log_path=spec.log_dir / f"{setup.name}.log",
         )
         out[setup.name] = SpecInstance(setup, server)

@@ -38,7 +38,8 @@ def pair(models_root, artifacts):
         extra_config=SPEC_EXTRA_CONFIG,
     )
     a = make_instances(spec, ["off"])
-    b = make_instances(dataclasses.replace(spec, log_dir=artifacts / "multiturn-d"), ["off"])
+    # B on the other core: two instances pinned to one core starve each other (cpu_binds).
+    b = make_instances(dataclasses.replace(spec, log_dir=artifacts / "multiturn-d"), ["off"], first_core=1)
     with running(a, b):
         yield a["off"], b["off"]
 

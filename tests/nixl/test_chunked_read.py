@@ -191,3 +191,37 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
         server.close()
         if not d.transport.has_peer("p"):
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+
+
+def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
+    """An idle engine step waits on the wake event (WorkerHalf._wait_if_idle): the handshake
+    reply and the claim grant must each set it, so the step resumes at once, not at its timeout."""
+    import threading
+
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    server = side_channel.SideChannelServer(
+        "127.0.0.1", free_port, lambda m: welcome if isinstance(m, Hello) else Granted(lease_seconds=30.0)
+    )
+    wake = threading.Event()
+    receiver = Receiver(d.transport, ConnectorSettings(), "d", COMPAT, None, wake=wake)
+    try:
+        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], []], 16, 15, [[1]]))
+        assert wake.wait(TIMEOUT_S), "the handshake reply did not wake the step"
+        wake.clear()
+        receiver.advance()  # connects and sends the claim
+        assert d.transport.has_peer("p")
+        assert wake.wait(TIMEOUT_S), "the claim grant did not wake the step"
+        deadline = time.monotonic() + TIMEOUT_S
+        finished: set[str] = set()
+        while not finished and time.monotonic() < deadline:
+            receiver.advance()
+            finished, failed = receiver.take_results()
+            assert not failed
+        assert finished == {"r1"}
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)

@@ -464,3 +464,17 @@ def test_configuration_reference_documents_every_key_with_its_default():
     defaults = ConnectorSettings()
     for key in KNOWN:
         assert documented[key] == _as_documented(getattr(defaults, key)), key
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 1000.5])
+def test_idle_step_wait_outside_0_to_1000_ms_is_refused(value):
+    """NaN passes a plain range check; a negative wait would raise inside Event.wait in every
+    idle engine step, and a long one would hold new requests back that long."""
+    with pytest.raises(ValueError, match="idle_step_wait_ms"):
+        parse({"idle_step_wait_ms": value})
+    with pytest.raises(ValueError, match="idle_step_wait_ms"):
+        parse(None, {ENV_PREFIX + "IDLE_STEP_WAIT_MS": repr(value)})
+
+
+def test_idle_step_wait_zero_disables_the_wait():
+    assert parse({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0
