@@ -13,12 +13,14 @@ Measurements, not assertions: tests/e2e/test_speculative.py asserts the PDConnec
 
 vLLM's NixlConnector cannot hand a request to its own instance (``register_remote_engine``:
 "Cannot register local engine ... as remote"), so its diagonal cells are skipped by default
-(``--diagonal`` forces them; they answer HTTP 500).
+(``--diagonal`` forces them; they answer HTTP 500). ``--twin NAME`` adds a second instance of
+setup NAME and runs NAME -> its twin: the agreeing-config control, through two instances.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=None, help="tiny model root (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=Path(".artifacts/bench"))
     ap.add_argument("--diagonal", action="store_true", help="also run P = D cells with NixlConnector")
+    ap.add_argument("--twin", default="", help="also start a second instance of this setup and hand to it")
     args = ap.parse_args(argv)
 
     names = args.setups.split(",")
@@ -49,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         log_dir=args.out / f"skew-{args.connector}-logs",
         kv_connector=args.connector,
     )
-    insts = make_instances(spec, names)
+    setups = [SETUPS[n] for n in names]
+    twin = f"{args.twin}-twin" if args.twin else ""
+    if twin:
+        setups.append(dataclasses.replace(SETUPS[args.twin], name=twin))
+        names = [*names, twin]
+    insts = make_instances(spec, setups)
     cells = []
     with running(insts):
         refs = {(d, n): insts[d].reference(random_prompt(n, 60), args.max_tokens) for d in names for n in lengths}
@@ -58,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         for p_name in names:
             for d_name in names:
                 if p_name == d_name and args.connector != "PDConnector" and not args.diagonal:
+                    continue
+                if twin and twin in (p_name, d_name) and (p_name, d_name) != (args.twin, twin):
                     continue
                 cell = {"prefill": p_name, "decode": d_name, "match": 0, "diverged": [], "errors": []}
                 for n in lengths:
