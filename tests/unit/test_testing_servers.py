@@ -141,3 +141,17 @@ def test_start_many_stops_all_on_failure(stub_python, tmp_path):
     with pytest.raises(ServerError):
         start_many([good, bad], timeout=60)
     assert not good.is_running() and good.group_pids() == []
+
+
+def test_instances_never_share_a_pinned_core(monkeypatch):
+    """Regression: the multi-turn pair was made as two groups of one instance, both pinned to
+    core 0; P's worker, spinning between steps, starved D's worker for minutes and the first
+    handshake timed out in CI. Beyond the core count instances are left unpinned."""
+    import os
+
+    from pd_connector.testing.spec_matrix import cpu_binds
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert cpu_binds(2) == [("0", {}), ("1", {})]
+    assert cpu_binds(1) + cpu_binds(1, first_core=1) == [("0", {}), ("1", {})]
+    assert cpu_binds(4) == [("nobind", {"OMP_NUM_THREADS": "1"})] * 4
