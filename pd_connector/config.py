@@ -29,6 +29,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_num_threads: int = 0
+    # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
+    # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
+    # model's; measured ~4% of a core and 2x loopback READ GB/s), 0 over VRAM (NIXL's and vLLM
+    # NixlConnector's behaviour on GPU hosts).
+    nixl_progress_delay_us: int | None = None
     # vLLM keeps stepping, with nothing scheduled, as long as P holds a lease or D waits for a
     # load (Scheduler.has_requests): a busy loop of the engine core and the worker. In such an
     # empty step the worker waits up to this long for the side channel to bring news (woken at
@@ -53,6 +58,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # Filled by parse_settings from the file or the environment; excluded from repr.
     secret: bytes = msgspec.field(default=b"", name="_secret")
 
+    def progress_delay_for(self, mem_type: str) -> int:
+        """NIXL progress-thread poll delay (µs) for KV pages in ``mem_type`` memory."""
+        if self.nixl_progress_delay_us is not None:
+            return self.nixl_progress_delay_us
+        return 100 if mem_type == "DRAM" else 0
+
     def __repr__(self) -> str:
         fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "secret"}
         return "ConnectorSettings(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
@@ -67,6 +78,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
         if not (0 <= self.idle_step_wait_ms <= 1000):
             raise ValueError(f"idle_step_wait_ms must be between 0 and 1000, got {self.idle_step_wait_ms}")
+        if self.nixl_progress_delay_us is not None and not 0 <= self.nixl_progress_delay_us <= 1_000_000:
+            raise ValueError(f"nixl_progress_delay_us must be between 0 and 1000000, got {self.nixl_progress_delay_us}")
         if self.nixl_read_chunk_mib < 0:
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
         if self.nixl_num_threads < 0:

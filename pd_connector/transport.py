@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -36,6 +38,44 @@ def _import_nixl():
     return nixl_agent, nixl_agent_config
 
 
+_AGENT_CREATION = threading.Lock()
+
+
+class _DelayedProgressBind:
+    """Stands in for NIXL's ``nixlBind`` module while ``nixl_agent.__init__`` runs, setting the
+    progress thread's poll delay that the Python API hard-codes to 0 (``agent_config.pthrDelay
+    = 0`` in nixl/_api.py, NIXL 1.5.1). With 0 the thread spins (sched_yield): a whole core per
+    connected agent on the CPU box; 100 µs took it to ~4% and doubled a loopback READ's GB/s
+    there (scripts/bench_nixl_progress.py)."""
+
+    def __init__(self, bind, delay_us: int):
+        self._bind, self._delay_us = bind, delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._bind, name)
+
+    def nixlAgent(self, name, config):  # noqa: N802 - NIXL's name
+        config.pthrDelay = self._delay_us
+        return self._bind.nixlAgent(name, config)
+
+
+def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
+    """``nixl_agent(name, config)``, with the progress thread polling every
+    ``progress_delay_us`` (0: NIXL's own behaviour, no pause)."""
+    api = sys.modules.get(nixl_agent.__module__)
+    if progress_delay_us <= 0 or api is None or not hasattr(api, "nixlBind"):
+        if progress_delay_us > 0:
+            logger.warning("pd_connector: this NIXL has no nixlBind to set the progress delay on; using NIXL's")
+        return nixl_agent(name, config)
+    with _AGENT_CREATION:  # the swap is module-global: one agent creation at a time
+        bind = api.nixlBind
+        api.nixlBind = _DelayedProgressBind(bind, progress_delay_us)
+        try:
+            return nixl_agent(name, config)
+        finally:
+            api.nixlBind = bind
+
+
 class _Peer:
     __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
 
@@ -58,6 +98,7 @@ class NixlTransport:
         name: str | None = None,
         capture_telemetry: bool = False,
         progress_thread: bool = True,
+        progress_delay_us: int = 0,
     ):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name or f"pd-{uuid.uuid4().hex[:12]}"
@@ -69,7 +110,7 @@ class NixlTransport:
             capture_telemetry=capture_telemetry,
         )
         try:
-            self._agent = nixl_agent(self.name, config)
+            self._agent = create_agent(nixl_agent, self.name, config, progress_delay_us)
         except Exception as exc:
             raise RuntimeError(
                 f"could not create a NIXL agent with backends {list(backends)}: {exc}. "

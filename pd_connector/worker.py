@@ -82,6 +82,7 @@ class WorkerHalf:
             mem_type=self.mem_type,
             backends=self.settings.nixl_backends,
             num_threads=self.settings.nixl_num_threads,
+            progress_delay_us=self.settings.progress_delay_for(self.mem_type),
         )
         self.transport.register(allocations, regions)
         if self.settings.verify_state_digest and self.mamba_groups:

@@ -566,3 +566,31 @@ def test_register_refuses_a_page_map_past_the_allocation():
             t.register([(buf.data_ptr(), pl.nbytes, 0)], bad)
     finally:
         t.close()
+
+
+def test_an_agent_with_a_progress_delay_still_completes_reads_only_d_polls():
+    """The default over DRAM (nixl_progress_delay_us=100, set through transport.create_agent's
+    shim around NIXL's hard-coded pthrDelay=0): P's progress thread, now pausing between polls,
+    must still serve a READ that only D polls, with the right bytes and P's notification."""
+    p = make_engine("layer_major_dense", P_BLOCKS, seed=5)
+    d = make_engine("layer_major_dense", 56, seed=None)
+    for eng in (p, d):
+        eng.transport.close()
+        eng.transport = NixlTransport(progress_delay_us=100)
+        eng.transport.register([(eng.buf.data_ptr(), eng.placement.nbytes, 0)], eng.regions)
+    try:
+        d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+        pairs = [[(1, 3), (7, 9), (4, 5)], [(3, 11)]]
+        li, ri = d.transport.plan("p", pairs)
+        handle = d.transport.read("p", li, ri, b"delayed")
+        deadline = time.monotonic() + TIMEOUT_S
+        while (state := d.transport.state(handle)) == PENDING:
+            assert time.monotonic() < deadline
+        assert state == DONE
+        d.transport.release(handle)
+        want, _ = expected_after(d, p, pairs)
+        assert_bytes(d, want)
+        assert collect_notifications(p.transport, 1) == {b"delayed": 1}
+    finally:
+        d.transport.close()
+        p.transport.close()

@@ -447,7 +447,7 @@ def _documented_keys() -> dict[str, str]:
 def _as_documented(value) -> str:
     import json
 
-    if value == "":
+    if value == "" or value is None:
         return "unset"
     if isinstance(value, bool):
         return str(value).lower()
@@ -478,3 +478,18 @@ def test_idle_step_wait_outside_0_to_1000_ms_is_refused(value):
 
 def test_idle_step_wait_zero_disables_the_wait():
     assert parse({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0
+
+
+@pytest.mark.parametrize("value", [-1, 1_000_001])
+def test_nixl_progress_delay_outside_0_to_1s_is_refused(value):
+    with pytest.raises(ValueError, match="nixl_progress_delay_us"):
+        parse({"nixl_progress_delay_us": value})
+
+
+def test_nixl_progress_delay_defaults_to_100us_over_dram_and_nixls_own_over_vram():
+    """NIXL 1.5.1's own 0 spins a core per connected agent (scripts/bench_nixl_progress.py);
+    GPU hosts keep NIXL's and NixlConnector's behaviour unless asked."""
+    assert parse({}).progress_delay_for("DRAM") == 100
+    assert parse({}).progress_delay_for("VRAM") == 0
+    assert parse({"nixl_progress_delay_us": 0}).progress_delay_for("DRAM") == 0
+    assert parse({"nixl_progress_delay_us": 250}).progress_delay_for("VRAM") == 250
