@@ -15,13 +15,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pd_connector.transport import _import_nixl, create_agent  # noqa: E402
+from pd_connector.transport import _import_nixl, create_agent
 
 MiB = 1 << 20
 
