@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
 from pd_connector.digest import PageDigester
+from pd_connector.idle_wait import should_wait_for_news
 from pd_connector.leases import GRANTED, UNKNOWN, LeaseTable
 from pd_connector.metadata import PDMetadata
 from pd_connector.metrics import PDStats, Recorder
@@ -198,18 +199,19 @@ class WorkerHalf:
 
     def _wait_if_idle(self) -> None:
         """In a step that scheduled nothing, wait (bounded) for side-channel news instead of
-        returning at once. vLLM steps again immediately while we hold a lease or wait for a
-        load (Scheduler.has_requests): without the wait, the engine core and this worker spin
-        for the whole lease, a core's worth of CPU taken from whatever else runs on a CPU host.
-        Never while a READ is in flight (its slices are posted and polled step by step)."""
-        if not (self._idle_step and self._idle_wait_s):
-            return
+        returning at once; when, see ``idle_wait.should_wait_for_news``."""
+        if not self._idle_step:
+            return  # the common case, decided without the lease lock (a step that did work)
         receiver = self.receiver
-        if receiver is not None and receiver.reading():
-            return
         with self._lease_lock:
-            holding = len(self._leases) > 0
-        if holding or (receiver is not None and receiver.pending()):
+            leases_held = len(self._leases)
+        if should_wait_for_news(
+            self._idle_step,
+            self._idle_wait_s,
+            reading=receiver is not None and receiver.reading(),
+            leases_held=leases_held,
+            loads_pending=receiver is not None and receiver.pending() > 0,
+        ):
             self._wake.wait(self._idle_wait_s)
             self._wake.clear()  # whatever set it is polled right below
 

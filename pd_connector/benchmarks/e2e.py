@@ -5,9 +5,11 @@ to hold): P and D with ``PDConnector`` behind ``pd-connector proxy``, and P and 
 ``NixlConnector`` (cpu-recipes.md section 7: ``"kv_buffer_device":"cpu"``, per-instance
 ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``) behind the same proxy: it sends P vLLM's toy-proxy fields
 and forwards P's ``kv_transfer_params`` to D opaquely, which is all NixlConnector needs. Same
-model, flags and core binding on both (P on core 0, D on core 1). Every prompt (a new one per
-round and length, so no prefix cache ever hits) goes to both deployments, one request at a
-time, alternating which goes first (A B, B A, ...) so drift on the shared box hits both alike.
+model, flags and placement on both (``testing.placement.cpu_binds`` for the four: unpinned,
+one OpenMP thread each, on a 2-core box; vLLM's NixlConnector pins its own worker thread).
+Every prompt (a new one per round and length, so no prefix cache ever hits) goes to both
+deployments, one request at a time, alternating which goes first (A B, B A, ...) so drift on
+the shared box hits both alike.
 
 Per request, measured by this client through the proxy (streaming ``/v1/completions``):
   TTFT   send -> first streamed chunk carrying a generated token
@@ -39,9 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from pd_connector.benchmarks import report
+from pd_connector.benchmarks.e2e_report import (
+    SYSTEMS,
+    handoff_figures,
+    handoff_table,
+    latency_table,
+    plot,
+    summarize,
+)
+from pd_connector.testing.placement import cpu_binds
 
-SYSTEMS = ("pd", "nixl")
-LABEL = {"pd": "pd_connector", "nixl": "NixlConnector"}
 # Local servers only: never route through an HTTP(S)_PROXY from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -53,7 +62,8 @@ def nixl_transfer_config(role: str) -> str:
 class Deployment:
     """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
 
-    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int):
+    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
+                 placement: list[tuple[str, dict[str, str]]]):
         from pd_connector.testing.servers import VllmServer, free_port
         from pd_connector.testing.stack import kv_transfer_config
 
@@ -62,7 +72,7 @@ class Deployment:
         src = str(Path(__file__).resolve().parents[2])
         env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
         servers = {}
-        for role, core in (("prefill", "0"), ("decode", "1" if (os.cpu_count() or 1) > 1 else "0")):
+        for role, (bind, bind_env) in zip(("prefill", "decode"), placement):
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
             if system == "pd":
                 config, extra_env = kv_transfer_config(kv_role, free_port()), {}
@@ -72,8 +82,8 @@ class Deployment:
             servers[role] = VllmServer(
                 model,
                 extra_args=[*server_args, "--kv-transfer-config", config],
-                env={**env, **extra_env},
-                omp_threads_bind=core,
+                env={**env, **bind_env, **extra_env},
+                omp_threads_bind=bind,
                 max_model_len=max_model_len,
                 log_path=log_dir / f"{system}-{role}.log",
             )
@@ -175,7 +185,7 @@ SERIES = {
 
 
 def snapshot(dep: Deployment) -> dict[str, float | None]:
-    from pd_connector.testing.servers import parse_metric
+    from pd_connector.testing.prometheus import parse_metric
 
     out: dict[str, float | None] = {}
     for role, names in SERIES.items():
@@ -188,43 +198,6 @@ def snapshot(dep: Deployment) -> dict[str, float | None]:
     return out
 
 
-def mean_delta(before: dict, after: dict, key: str) -> float | None:
-    s0, s1 = before.get(f"{key}_sum"), after.get(f"{key}_sum")
-    c0, c1 = before.get(f"{key}_count"), after.get(f"{key}_count")
-    if None in (s0, s1, c0, c1) or c1 - c0 <= 0:
-        return None
-    return (s1 - s0) / (c1 - c0)
-
-
-def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float | None]:
-    d_ttft = mean_delta(before, after, "decode:vllm:time_to_first_token_seconds")
-    d_itl = mean_delta(before, after, "decode:vllm:inter_token_latency_seconds")
-    transfer_key = "vllm:pd_transfer_seconds" if system == "pd" else "vllm:nixl_xfer_time_seconds"
-    return {
-        "d_ttft_ms": _ms(d_ttft),
-        "d_itl_ms": _ms(d_itl),
-        "handoff_overhead_ms": _ms(d_ttft - d_itl) if d_ttft is not None and d_itl is not None else None,
-        "transfer_ms": _ms(mean_delta(before, after, f"decode:{transfer_key}")),
-        "d_queue_ms": _ms(mean_delta(before, after, "decode:vllm:request_queue_time_seconds")),
-        "d_prefill_ms": _ms(mean_delta(before, after, "decode:vllm:request_prefill_time_seconds")),
-        "p_e2e_ms": _ms(mean_delta(before, after, "prefill:vllm:e2e_request_latency_seconds")),
-    }
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
-
-
-def quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0]
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
     from pd_connector.testing.cpu_matrix import CPU_MODELS, random_prompt
     from pd_connector.testing.servers import start_many
@@ -233,7 +206,11 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
     model = str(build_model(kind, Path(args.model_root)))
     log_dir = log_root / kind
     log_dir.mkdir(parents=True, exist_ok=True)
-    deps = {s: Deployment(s, model, list(CPU_MODELS[kind]), log_dir, args.max_model_len) for s in SYSTEMS}
+    placement = cpu_binds(2 * len(SYSTEMS))  # all four run at once
+    deps = {
+        s: Deployment(s, model, list(CPU_MODELS[kind]), log_dir, args.max_model_len, placement[2 * i : 2 * i + 2])
+        for i, s in enumerate(SYSTEMS)
+    }
     t0 = time.monotonic()
     try:
         start_many([srv for d in deps.values() for srv in (d.prefill, d.decode)], timeout=900)
@@ -254,6 +231,10 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
                 order = SYSTEMS if (rnd + i) % 2 == 0 else SYSTEMS[::-1]
                 outs = {}
                 for s in order:
+                    # vLLM CPU workers spin (sched_yield) for ~1 s after their last step
+                    # (shm_broadcast.py SpinCondition): let the other deployment's go quiet first,
+                    # so each request runs on a box the other system is not still burning.
+                    time.sleep(args.gap_s)
                     outs[s] = send(deps[s].proxy_url, prompt, args.max_tokens, errors, s)
                     records.append({"model": kind, "system": s, "round": rnd, "prompt_len": n,
                                     "first": s == order[0], **{k: v for k, v in outs[s].items() if k != "text"}})  # fmt: skip
@@ -278,88 +259,6 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
     }
 
 
-def summarize(runs: list[dict], lengths: list[int]) -> list[dict]:
-    rows = []
-    for run in runs:
-        for n in [*lengths, "all"]:
-            row: dict[str, Any] = {"model": run["model"], "prompt_len": n}
-            for s in SYSTEMS:
-                recs = [r for r in run["records"] if r["system"] == s and (n == "all" or r["prompt_len"] == n)]
-                for metric in ("ttft_s", "total_s"):
-                    xs = [r[metric] for r in recs]
-                    row[f"{s}_{metric}_median"] = statistics.median(xs)
-                    row[f"{s}_{metric}_p90"] = quantile(xs, 0.9)
-                row[f"{s}_n"] = len(recs)
-            row["ttft_ratio"] = row["pd_ttft_s_median"] / row["nixl_ttft_s_median"]
-            row["total_ratio"] = row["pd_total_s_median"] / row["nixl_total_s_median"]
-            recs = [r for r in run["records"] if r["system"] == "pd" and (n == "all" or r["prompt_len"] == n)]
-            row["same_text"] = f"{sum(r['same_text'] for r in recs)}/{len(recs)}"
-            rows.append(row)
-    return rows
-
-
-def latency_table(rows: list[dict]) -> str:
-    headers = ["model", "prompt", "TTFT pd med/p90 ms", "TTFT nixl med/p90 ms", "TTFT pd/nixl",
-               "total pd med/p90 ms", "total nixl med/p90 ms", "total pd/nixl", "same text"]  # fmt: skip
-
-    def mp(r, s, m):
-        return f"{r[f'{s}_{m}_median'] * 1e3:.0f} / {r[f'{s}_{m}_p90'] * 1e3:.0f}"
-
-    body = [
-        [r["model"], r["prompt_len"], mp(r, "pd", "ttft_s"), mp(r, "nixl", "ttft_s"), f"{r['ttft_ratio']:.2f}",
-         mp(r, "pd", "total_s"), mp(r, "nixl", "total_s"), f"{r['total_ratio']:.2f}", r["same_text"]]  # fmt: skip
-        for r in rows
-    ]
-    return report.format_table(headers, body)
-
-
-def handoff_table(runs: list[dict]) -> str:
-    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "D TTFT ms", "D ITL ms", "D queue ms", "P e2e ms"]
-
-    def f(x):
-        return "-" if x is None else f"{x:.1f}"
-
-    body = []
-    for run in runs:
-        for s in SYSTEMS:
-            h = run["handoff"][s]
-            body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h["d_ttft_ms"]),
-                         f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip
-    return report.format_table(headers, body)
-
-
-def plot(rows: list[dict], path: str, title: str) -> bool:
-    plt = report.pyplot()
-    if plt is None:
-        return False
-    import numpy as np
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
-    for ax_row, model in zip(axes, models):
-        mrows = [r for r in rows if r["model"] == model and r["prompt_len"] != "all"]
-        xs = np.arange(len(mrows))
-        for ax, metric, name in zip(ax_row, ("ttft_s", "total_s"), ("TTFT", "total latency")):
-            for i, s in enumerate(SYSTEMS):
-                med = np.array([r[f"{s}_{metric}_median"] for r in mrows]) * 1e3
-                p90 = np.array([r[f"{s}_{metric}_p90"] for r in mrows]) * 1e3
-                ax.bar(xs + (i - 0.5) * 0.38, med, 0.38, yerr=[np.zeros_like(med), p90 - med], capsize=3,
-                       label=f"{LABEL[s]} (median, p90 whisker)", color=f"C{i}")  # fmt: skip
-            ax.set_xticks(xs, [str(r["prompt_len"]) for r in mrows])
-            ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("ms")
-            ratio = next(r for r in rows if r["model"] == model and r["prompt_len"] == "all")[
-                "ttft_ratio" if metric == "ttft_s" else "total_ratio"
-            ]
-            ax.set_title(f"{model}: {name} through the proxy (pd/nixl median {ratio:.2f})", fontsize=9)
-            ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="pd-connector bench e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -371,6 +270,8 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, help="prompts per length, each sent to both deployments (default 8)")
     ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; --quick 8)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gap-s", type=float, default=1.5,
+                    help="pause before each request (default 1.5: past vLLM CPU's 1 s post-step spin)")
     ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
     args = ap.parse_args(argv)
     args.models = args.models or (["nemotron_h"] if args.quick else ["nemotron_h", "llama"])

@@ -20,7 +20,11 @@ calibrated on an empty method, is subtracted. vLLM's own cost is the CPU time of
 ``add_request`` + ``schedule`` + ``update_from_output`` minus the time inside our hooks, in the
 same run (``scheduler_timing``; tables and plot: ``scheduler_report``). The heap is collected
 and frozen before each timed run, as vLLM's server does after startup (``freeze_gc_heap``).
-Configurations: attention-only and hybrid (attention + Mamba groups). Each (configuration,
+Configurations (``CONFIGS``): ``attention`` (one attention group, 16-token blocks: the GPU
+default); ``hybrid`` (attention + Mamba, laid out as vLLM lays out a Nemotron-H-8B-like model:
+the attention block size raised until its page holds a Mamba state, one Mamba block per request
+with prefix caching off); ``hybrid-b16`` (the same groups at 16-token blocks everywhere, a
+stress case vLLM never builds for a hybrid: 256 blocks per group at 4k tokens). Each (configuration,
 length) runs ``--repeat`` times; the run with the smallest connector total is reported (noise
 on a shared box only adds time), every run is kept in the JSON. Loggers run at ``--log-level``
 (vLLM's default INFO) into /dev/null, so a per-request log record is counted as a server pays it.
@@ -40,6 +44,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pd_connector.benchmarks import report
@@ -53,27 +58,58 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 500) for _ in range(length)] for _ in range(n)]
 
 
-def _scheduler(harness, model_dir, role, groups, length, args):
-    blocks_per_req = -(-(length + args.max_tokens) // harness.BLOCK) + 4
+@dataclass(frozen=True)
+class Config:
+    name: str
+    groups: tuple[str, ...]
+    block_size: int
+    mamba_block_size: int | None = None  # None: block_size; 0: max_model_len (one per request)
+
+
+def _hybrid_block_size() -> int:
+    """The attention block size vLLM gives a Nemotron-H-8B-like model (16-token kernel blocks
+    raised until an attention page holds a Mamba2 state: ``transfer_shapes.hybrid_block_size``,
+    cross-checked against vLLM by ``bench transfer --check-vllm``)."""
+    from pd_connector.benchmarks.transfer_shapes import MODELS, hybrid_block_size
+
+    return hybrid_block_size(MODELS["nemotron-h"], 16)
+
+
+def configs() -> dict[str, Config]:
+    return {
+        "attention": Config("attention", ("attention",), 16),
+        "hybrid": Config("hybrid", ("attention", "mamba"), _hybrid_block_size(), 0),
+        "hybrid-b16": Config("hybrid-b16", ("attention", "mamba"), 16),
+    }
+
+
+def _scheduler(harness, model_dir, role, cfg: Config, length, args):
+    blocks_per_req = -(-(length + args.max_tokens) // cfg.block_size) + 4
+    max_model_len = max(1024, length + args.max_tokens + 16)
     return harness.make_scheduler(
         model_dir,
         role,
-        groups=groups,
+        groups=cfg.groups,
+        block_size=cfg.block_size,
+        mamba_block_size=max_model_len if cfg.mamba_block_size == 0 else cfg.mamba_block_size,
         max_num_batched_tokens=max(args.batch_tokens, length),
         num_blocks=args.requests * blocks_per_req + 64,
         max_num_seqs=args.requests + 16,
-        max_model_len=max(1024, length + args.max_tokens + 16),
+        max_model_len=max_model_len,
     )
 
 
-def run_p(harness, model_dir, groups, prompts, args, cal: dict):
+def run_p(harness, model_dir, cfg: Config, prompts, args, cal: dict):
     from vllm.v1.outputs import KVConnectorOutput
 
     timers = Timers()
-    s = _scheduler(harness, model_dir, "kv_producer", groups, len(prompts[0]), args)
+    s = _scheduler(harness, model_dir, "kv_producer", cfg, len(prompts[0]), args)
     instrument(s, timers)
     d = Driver(s)
-    reqs = [harness.make_request(p, {"do_remote_decode": True}, max_tokens=args.max_tokens) for p in prompts]
+    reqs = [
+        harness.make_request(p, {"do_remote_decode": True}, max_tokens=args.max_tokens, block_size=s.hash_block_size)
+        for p in prompts
+    ]
     params: dict[str, dict] = {}
     with frozen_heap():
         t0 = time.perf_counter_ns()
@@ -97,14 +133,17 @@ def run_p(harness, model_dir, groups, prompts, args, cal: dict):
     return summarize(timers, d, wall, len(reqs), cal), ordered
 
 
-def run_d(harness, model_dir, groups, prompts, p_params, args, cal: dict, profiler=None):
+def run_d(harness, model_dir, cfg: Config, prompts, p_params, args, cal: dict, profiler=None):
     from vllm.v1.outputs import KVConnectorOutput
 
     timers = Timers()
-    s = _scheduler(harness, model_dir, "kv_consumer", groups, len(prompts[0]), args)
+    s = _scheduler(harness, model_dir, "kv_consumer", cfg, len(prompts[0]), args)
     instrument(s, timers)
     d = Driver(s)
-    reqs = [harness.make_request(p, dict(pp), max_tokens=args.max_tokens) for p, pp in zip(prompts, p_params)]
+    reqs = [
+        harness.make_request(p, dict(pp), max_tokens=args.max_tokens, block_size=s.hash_block_size)
+        for p, pp in zip(prompts, p_params)
+    ]
     done_ids: set[str] = set()
     loaded_total = 0
     with frozen_heap():
@@ -144,7 +183,8 @@ def parse_args(argv):
     ap.add_argument("--prompt-lens", type=int, nargs="+", help="default 128 1024 4096 (--quick: 1024)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens D decodes per request")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="max_num_batched_tokens")
-    ap.add_argument("--configs", nargs="+", default=["attention", "hybrid"], choices=["attention", "hybrid"])
+    ap.add_argument("--configs", nargs="+", default=["attention", "hybrid", "hybrid-b16"],
+                    choices=["attention", "hybrid", "hybrid-b16"], help="see CONFIGS above (default: all)")
     ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, help="runs per (configuration, length); default 3 (--quick 1)")
@@ -181,26 +221,25 @@ def main(argv: list[str] | None = None) -> int:
           f"per call (subtracted)", flush=True)
 
     results, profiles = [], {}
-    for cfg in args.configs:
-        groups = ("attention",) if cfg == "attention" else ("attention", "mamba")
+    for cfg in (configs()[name] for name in args.configs):
         for length in args.prompt_lens:
             prompts = make_prompts(args.requests, length, args.seed)
             p_runs, d_runs = [], []
             for _ in range(args.repeat):
-                p_res, p_params = run_p(harness, model_dir, groups, prompts, args, cal)
+                p_res, p_params = run_p(harness, model_dir, cfg, prompts, args, cal)
                 p_runs.append(p_res)
-                d_runs.append(run_d(harness, model_dir, groups, prompts, p_params, args, cal))
+                d_runs.append(run_d(harness, model_dir, cfg, prompts, p_params, args, cal))
                 gc.collect()
             for role, runs in (("P", p_runs), ("D", d_runs)):
-                results.append(best_run(runs, config=cfg, prompt_len=length, role=role))
+                results.append(best_run(runs, config=cfg.name, block_size=cfg.block_size, prompt_len=length, role=role))
                 r = results[-1]
-                print(f"  {cfg:<9} {length:>5} tok {role}: {r['connector_us_per_request']:6.1f} µs/request in our hooks, "
+                print(f"  {cfg.name:<10} {length:>5} tok {role}: {r['connector_us_per_request']:6.1f} µs/request in our hooks, "
                       f"{r['vllm_us_per_request']:6.0f} in vLLM ({r['wall_s']:.2f} s)", flush=True)
             if args.profile and length == max(args.prompt_lens):
                 profiler = cProfile.Profile()
-                run_d(harness, model_dir, groups, prompts, p_params, args, cal, profiler)
-                print(f"\n-- cProfile, D {cfg} {length} tokens (whole run; our and logging functions) --")
-                profiles[cfg] = print_profile(profiler)
+                run_d(harness, model_dir, cfg, prompts, p_params, args, cal, profiler)
+                print(f"\n-- cProfile, D {cfg.name} {length} tokens (whole run; our and logging functions) --")
+                profiles[cfg.name] = print_profile(profiler)
 
     title = f"scheduler-side cost, {args.requests} concurrent requests, log level {args.log_level}"
     print(f"\n== {title} ==")

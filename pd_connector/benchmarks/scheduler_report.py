@@ -28,10 +28,11 @@ def top_hooks(r: dict, k: int = 2) -> str:
 
 
 def table(results: list[dict]) -> str:
-    headers = ["config", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "ours wall", "vLLM µs/req", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
+    headers = ["config", "block", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "ours wall", "vLLM µs/req", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
     rows = [
         [
             r["config"],
+            r.get("block_size", ""),
             r["prompt_len"],
             r["role"],
             f"{r['connector_us_per_request']:.1f}",

@@ -11,7 +11,7 @@ Sections (``--sections``):
           vLLM's default layer-outer layout (LBHNC on CPU, LBNHC on CUDA: same placement).
   layout  block-outer layout (BLHNC): packed spans (what the connector does) vs per-layer rows.
   stall   the longest time one call into NIXL holds D's engine thread: sliced vs one READ.
-  knobs   NIXL/UCX settings (worker threads, UCX_TLS), each on a fresh agent pair.
+  knobs   NIXL/UCX settings (progress delay, worker threads, UCX_TLS), each on a fresh agent pair.
   first   first-request cost: agent creation, registration, add_peer, connect, first READ.
 
   pd-connector bench transfer --quick            (or: python scripts/bench_transfer.py --quick)
@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from unittest import mock
 
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as pd_connector.transport does
@@ -36,46 +36,12 @@ import torch
 from pd_connector import layout
 from pd_connector.benchmarks import report
 from pd_connector.benchmarks import transfer_paths as paths
+from pd_connector.benchmarks.transfer_report import Result, fmt_tokens, print_results, progress, summary_table
 from pd_connector.benchmarks.transfer_shapes import MODELS, MiB, build_side, check_vllm_placement, choose_blocks, geometry
+from pd_connector.config import ConnectorSettings
 from pd_connector.transport import NixlTransport
 
 KEY, UNPACKED = paths.KEY, "bench-p-unpacked"
-
-
-@dataclass
-class Result:
-    section: str
-    model: str
-    tokens: int
-    user_block: int
-    block_size: int
-    layout: str
-    blocks: str
-    layers: str
-    nbytes: int
-    desc: int  # descriptor indices the connector plans
-    runs: int  # descriptors NIXL moves after its merge (= contiguous runs)
-    knobs: dict = field(default_factory=dict)
-    samples: dict = field(default_factory=dict)  # variant -> per-rep seconds
-    stages_ms: dict = field(default_factory=dict)  # variant -> median of per-rep stages
-    verified: bool = False
-    load: float = 0.0
-
-    def median_s(self, v: str) -> float:
-        return float(np.median(self.samples[v])) if self.samples.get(v) else 0.0
-
-    def gbps(self, v: str) -> float:
-        t = self.median_s(v)
-        return self.nbytes / t / 1e9 if t else 0.0
-
-    def ratio(self, num: str, den: str) -> float:
-        """Median over reps of t(den) / t(num): the throughput of ``num`` relative to ``den``."""
-        a, b = self.samples.get(num), self.samples.get(den)
-        return float(np.median(np.array(b) / np.array(a))) if a and b else 0.0
-
-
-def fmt_tokens(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def verify(p_side, d_side, pairs, page: int) -> bool:
@@ -95,18 +61,22 @@ def verify(p_side, d_side, pairs, page: int) -> bool:
 
 
 class Bench:
-    def __init__(self, args, num_threads: int | None = None, env: dict | None = None):
+    def __init__(self, args, num_threads: int | None = None, env: dict | None = None, delay_us: int | None = None):
         self.args = args
         self.device = torch.device(args.device)
         self.dev = (self.device.index or 0) if self.device.type == "cuda" else 0
         self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
         self.num_threads = args.num_threads if num_threads is None else num_threads
+        self.delay_us = progress_delay(args, self.mem_type) if delay_us is None else delay_us
         self.chunk = args.chunk_mib * MiB if self.mem_type == "DRAM" else 0  # as receiver.py
         self.rng = np.random.default_rng(args.seed)
         self._n = 0
         with _Env(env or {}):
-            self.p_t = NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-P-{id(self)}")
-            self.d_t = NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-D-{id(self)}")
+            self.p_t, self.d_t = (
+                NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-{role}-{id(self)}",
+                              progress_delay_us=self.delay_us)
+                for role in "PD"
+            )
 
     def close(self):
         self.d_t.close()
@@ -192,6 +162,12 @@ class Bench:
         return st
 
 
+def progress_delay(args, mem_type: str) -> int:
+    """The connector's progress-thread delay (``nixl_progress_delay_us``; unset: its default for
+    this memory type), so the benchmark's agents poll exactly as a served instance's do."""
+    return ConnectorSettings(nixl_progress_delay_us=args.progress_delay_us).progress_delay_for(mem_type)
+
+
 class _Env:
     """Environment variables set while agents are created (UCX reads UCX_* then)."""
 
@@ -211,11 +187,6 @@ class _Env:
                 os.environ[k] = v
 
 
-def progress(r: Result) -> None:
-    g = " ".join(f"{v} {r.gbps(v):.2f}" for v in r.samples)
-    print(f"  {r.model} {fmt_tokens(r.tokens)} b{r.user_block} {r.layout} {r.blocks}: {g} GB/s (load {r.load:.1f})", flush=True)
-
-
 def run_section(args, name, cases, variants=("connector", "raw", "memcpy"), **bench_kw) -> list[Result]:
     bench = Bench(args, **bench_kw)
     out = []
@@ -228,51 +199,26 @@ def run_section(args, name, cases, variants=("connector", "raw", "memcpy"), **be
     return out
 
 
-def table_rows(results: list[Result], variants) -> list[dict]:
-    rows = []
-    for r in results:
-        bs = str(r.block_size) if r.block_size == r.user_block else f"{r.user_block}>{r.block_size}"
-        row = {"model": r.model, "layers": r.layers, "tok": fmt_tokens(r.tokens), "bs": bs, "layout": r.layout,
-               "blocks": r.blocks, "MiB": round(r.nbytes / MiB), "desc": r.desc, "runs": r.runs}
-        for v in variants:
-            row[v] = r.gbps(v)
-        row["c/raw"] = r.ratio("connector", "raw")
-        row["c/memcpy"] = r.ratio("connector", "memcpy")
-        row["stall_ms"] = r.stages_ms.get("connector", {}).get("post", 0.0)
-        row["ok"] = "y" if r.verified else "NO"
-        rows.append(row)
-    return rows
-
-
-def print_results(results, variants, title, extra=()) -> str:
-    cols = ["model", "layers", "tok", "bs", "blocks", "MiB", "desc", "runs", *extra,
-            *[(v, v, ".2f") for v in variants], ("c/raw", "c/raw", ".2f"), ("c/memcpy", "c/memcpy", ".2f"),
-            ("stall_ms", "stall ms", ".1f"), "ok"]
-    rows = table_rows(results, variants)
-    for r, res in zip(rows, results):
-        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs")})
-        r["1read_stall"] = res.stages_ms.get("one_read", {}).get("post", 0.0)
-        r["unpacked/c"] = res.ratio("unpacked", "connector") if "unpacked" in res.samples else ""
-    return report.print_table(rows, cols, title)
-
-
 STALL_CASES = [("llama-8b", 16384, 16, True), ("llama-8b", 16384, 16, False), ("nemotron-h", 16384, 16, True)]
 KNOB_CASES = [("llama-8b", 4096, 16, True), ("llama-8b", 4096, 16, False), ("nemotron-h", 4096, 16, True)]
 
 
-def knob_settings(quick: bool) -> list[tuple[str, int, dict]]:
-    """(name, NixlTransport num_threads, UCX environment at agent creation)."""
-    out = [("default (threads=0)", 0, {}), ("num_threads=1", 1, {}), ("num_threads=2", 2, {}),
-           ("num_threads=4", 4, {}), ("UCX_TLS=tcp", 0, {"UCX_TLS": "tcp"}),
-           ("UCX_TLS=posix,tcp", 0, {"UCX_TLS": "posix,tcp"})]
-    return [k for k in out if k[0] in ("default (threads=0)", "num_threads=2", "UCX_TLS=tcp")] if quick else out
+def knob_settings(quick: bool) -> list[tuple[str, int, dict, int | None]]:
+    """(name, NixlTransport num_threads, UCX environment at agent creation, progress delay µs;
+    None: the connector's default)."""
+    out = [("default (threads=0)", 0, {}, None), ("progress_delay_us=0", 0, {}, 0), ("num_threads=1", 1, {}, None),
+           ("num_threads=2", 2, {}, None), ("num_threads=4", 4, {}, None), ("UCX_TLS=tcp", 0, {"UCX_TLS": "tcp"}, None),
+           ("UCX_TLS=posix,tcp", 0, {"UCX_TLS": "posix,tcp"}, None)]
+    quick_set = ("default (threads=0)", "progress_delay_us=0", "num_threads=2", "UCX_TLS=tcp")
+    return [k for k in out if k[0] in quick_set] if quick else out
 
 
 def section_knobs(args) -> list[dict]:
     rows = []
-    for name, threads, env in knob_settings(args.quick):
+    for name, threads, env, delay_us in knob_settings(args.quick):
         try:
-            res = run_section(args, "knobs", KNOB_CASES, ("connector", "raw"), num_threads=threads, env=env)
+            res = run_section(args, "knobs", KNOB_CASES, ("connector", "raw"), num_threads=threads, env=env,
+                              delay_us=delay_us)
         except Exception as exc:  # a setting this machine's UCX cannot do
             rows.append({"setting": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
             continue
@@ -293,7 +239,8 @@ def section_first(args) -> dict:
         geom, p_side, d_side, pairs, nbytes = bench.sides("nemotron-h", 4096, 16, True, False, args.budget_mib * MiB)
     finally:
         bench.close()
-    out = paths.first_request(p_side, d_side, pairs, bench.mem_type, bench.dev, bench.chunk, args.num_threads)
+    out = paths.first_request(p_side, d_side, pairs, bench.mem_type, bench.dev, bench.chunk, args.num_threads,
+                              bench.delay_us)
     out["nbytes"] = nbytes
     return out
 
@@ -313,6 +260,8 @@ def parse_args(argv=None):
                     "(pages kept) above it (default 256; quick 96)")
     ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
     ap.add_argument("--num-threads", type=int, default=0, help="nixl_num_threads for every section but knobs")
+    ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
+                    "(default: the connector's, 100 over DRAM, 0 over VRAM)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM only; 0 = one post)")
     sections = ["main", "layout", "stall", "knobs", "first"]
     ap.add_argument("--sections", nargs="+", choices=sections,
@@ -355,6 +304,8 @@ def main(argv=None) -> int:
         cases = [(m, t, b, s) for m in args.models for b in args.blocks for t in args.tokens for s in (True, False)]
         results["main"] = run_section(args, "main", cases, base)
         data["tables"]["main"] = print_results(results["main"], base, "")
+        data["tables"]["summary"] = summary_table(results["main"])
+        print("\n== summary: connector / raw NIXL (median of per-rep ratios) ==\n" + data["tables"]["summary"], flush=True)
     if "layout" in args.sections:
         print("\n== layout: block-outer (BLHNC); connector = packed spans, unpacked = one row per layer ==", flush=True)
         cases = [(m, 4096 if args.quick else t, 16, s, True) for m in args.models for t in (4096, 16384)[: 1 if args.quick else 2] for s in (True, False)]

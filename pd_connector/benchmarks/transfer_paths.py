@@ -123,7 +123,8 @@ def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int, device: torch
         torch.set_num_threads(threads)
 
 
-def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: int, num_threads: int) -> dict:
+def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: int, num_threads: int,
+                  progress_delay_us: int) -> dict:
     """Cold-start cost of one P/D pair, step by step, then the same READ warm (seconds).
 
     D's connector does: agent creation + registration at start-up (``register_kv_caches``);
@@ -133,8 +134,11 @@ def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: i
     round trip is in flight; every later request reuses all of it."""
     out: dict[str, float] = {}
     t = time.perf_counter()
-    p_t = NixlTransport(mem_type=mem_type, num_threads=num_threads, name=f"first-P-{os.getpid()}")
-    d_t = NixlTransport(mem_type=mem_type, num_threads=num_threads, name=f"first-D-{os.getpid()}")
+    p_t, d_t = (
+        NixlTransport(mem_type=mem_type, num_threads=num_threads, name=f"first-{role}-{os.getpid()}",
+                      progress_delay_us=progress_delay_us)
+        for role in "PD"
+    )
     out["create_agents_x2"] = time.perf_counter() - t
     try:
         t = time.perf_counter()

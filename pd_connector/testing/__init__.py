@@ -4,8 +4,11 @@ Nothing in here is imported by the connector itself. The submodules are:
 
 - ``tiny_models``: offline, seeded tiny random-weight HF models (+ a byte-level BPE tokenizer)
   that vLLM CPU can serve in float32.
-- ``servers``: start/stop vLLM OpenAI api_server processes safely (process groups, log files,
-  readiness polling, Prometheus metric reads).
+- ``servers``: start/stop vLLM OpenAI api_server processes safely (log files, readiness
+  polling), with ``process_groups`` (signal a server's whole group, read from /proc) and
+  ``prometheus`` (parse and read ``/metrics``).
+- ``placement``: ``VLLM_CPU_OMP_THREADS_BIND`` for instances that run at once (never two on one
+  pinned core).
 - ``oracle``: greedy token-id completions with logprobs, and a margin-aware comparison of a
   candidate (e.g. P/D) output against a reference (aggregated) output.
 - ``stack``: baseline + P + D + proxy, started together (tests/e2e, demo, integration script).

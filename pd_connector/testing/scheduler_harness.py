@@ -23,7 +23,7 @@ from vllm.config import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -55,7 +55,16 @@ def make_scheduler(
     num_blocks: int = 1000,
     max_num_seqs: int = 16,
     max_model_len: int = 1024,
+    block_size: int = BLOCK,
+    mamba_block_size: int | None = None,
 ) -> Scheduler:
+    """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
+    is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
+    hundreds of tokens (``Platform._align_hybrid_block_size``: attention page >= Mamba page) and
+    Mamba groups ``max_model_len`` when prefix caching is off (one block per request,
+    ``HybridAttentionMambaModelConfig`` in model_executor/models/config.py); the tests use
+    16 everywhere to exercise many blocks per group."""
+    mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -65,7 +74,7 @@ def make_scheduler(
         is_encoder_decoder=False,
     )
     cache_config = CacheConfig(
-        block_size=BLOCK,
+        block_size=block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=prefix_caching,
@@ -89,14 +98,14 @@ def make_scheduler(
     specs = []
     for i, kind in enumerate(groups):
         if kind == "attention":
-            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         elif kind == "sliding_window":
             spec = SlidingWindowSpec(
-                block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=40
+                block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=40
             )
         else:
             spec = MambaSpec(
-                block_size=BLOCK,
+                block_size=mamba_block_size,
                 shapes=((4, 4), (4, 4)),
                 dtypes=(torch.float32, torch.float32),
                 mamba_cache_mode=mamba_mode,
@@ -105,16 +114,24 @@ def make_scheduler(
         specs.append(KVCacheGroupSpec([f"layer{i}"], spec))
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # As EngineCore does (vllm/v1/engine/core.py): the scheduler's block size is the LCM of the
+    # groups' and requests are hashed at hash_block_size (make_request's block_size).
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
         log_stats=True,
     )
 
 
-def make_request(prompt: list[int], params: dict[str, Any] | None, max_tokens: int = 8) -> Request:
+def make_request(
+    prompt: list[int], params: dict[str, Any] | None, max_tokens: int = 8, block_size: int = BLOCK
+) -> Request:
+    """``block_size``: the scheduler's ``hash_block_size`` (16 unless make_scheduler was given
+    other block sizes)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sp.update_from_generation_config({}, EOS)
     req = Request(
@@ -123,7 +140,7 @@ def make_request(prompt: list[int], params: dict[str, Any] | None, max_tokens: i
         sampling_params=sp,
         pooling_params=None,
         mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=get_request_block_hasher(block_size, sha256),
     )
     req.kv_transfer_params = params
     return req

@@ -9,14 +9,16 @@ Facts this module is built around (vLLM CPU 0.32.0, see cpu-recipes 1.3, 2 and 9
   its own session/process group (``start_new_session=True``) and ``stop()`` signals the whole
   group: SIGTERM, wait, SIGTERM again, then SIGKILL. We never look processes up by name.
 - Startup takes ~30-45 s on the 2-core box; ``start_many`` overlaps the startups.
-- Two instances on 2 cores need distinct ``VLLM_CPU_OMP_THREADS_BIND`` values (e.g. "0" / "1").
+- Instances running at once must never share a pinned core: ``placement.cpu_binds`` chooses
+  each one's ``VLLM_CPU_OMP_THREADS_BIND``.
+
+Process-group signalling lives in ``process_groups``, Prometheus metric reads in ``prometheus``.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -30,16 +32,10 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = [
-    "ServerError",
-    "VllmServer",
-    "free_port",
-    "start_many",
-    "read_metric",
-    "parse_metric",
-    "parse_metric_labels",
-    "read_metric_labels",
-]
+from pd_connector.testing.process_groups import group_alive, group_members, signal_group
+from pd_connector.testing.prometheus import read_metric, read_metric_labels
+
+__all__ = ["ServerError", "VllmServer", "free_port", "start_many"]
 
 
 # Local servers only: never route through an HTTP(S)_PROXY from the environment.
@@ -237,14 +233,14 @@ class VllmServer:
                     pass
             group_termed = False
             while True:
-                if proc.poll() is not None and not _group_alive(pgid):
+                if proc.poll() is not None and not group_alive(pgid):
                     break
                 elapsed = time.monotonic() - start
                 if elapsed >= grace:
-                    _signal_group(pgid, signal.SIGKILL)
+                    signal_group(pgid, signal.SIGKILL)
                     break
                 if not group_termed and elapsed >= grace / 2:
-                    _signal_group(pgid, signal.SIGTERM)
+                    signal_group(pgid, signal.SIGTERM)
                     group_termed = True
                 time.sleep(0.2)
             try:
@@ -254,8 +250,8 @@ class VllmServer:
             # Children re-parented away from the leader die on SIGKILL too; wait briefly so that
             # callers (and `ps` checks) see the memory released when stop() returns.
             end = time.monotonic() + 5
-            while _group_alive(pgid) and time.monotonic() < end:
-                _signal_group(pgid, signal.SIGKILL)
+            while group_alive(pgid) and time.monotonic() < end:
+                signal_group(pgid, signal.SIGKILL)
                 time.sleep(0.1)
             _live.discard(self)
             return rc
@@ -293,7 +289,7 @@ class VllmServer:
 
     def group_pids(self) -> list[int]:
         """PIDs currently in this server's process group (APIServer, EngineCore, Worker...)."""
-        return _group_members(self._proc.pid) if self._proc is not None else []
+        return group_members(self._proc.pid) if self._proc is not None else []
 
     def rss_bytes(self) -> int:
         """Total resident memory of the process group (sum of per-process RSS; shared pages count twice)."""
@@ -339,103 +335,3 @@ def start_many(servers: Iterable[VllmServer], timeout: float = 300.0) -> list[Vl
             s.stop()
         raise
     return servers
-
-
-# ---------------------------------------------------------------------- process groups
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``, read from /proc.
-
-    Zombies are skipped: a reparented zombie that nobody reaps yet holds no memory and cannot be
-    signalled away, so counting it would make stop() wait for nothing.
-    """
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            members.append(int(entry))
-    return members
-
-
-def _group_alive(pgid: int) -> bool:
-    return bool(_group_members(pgid))
-
-
-# ---------------------------------------------------------------------- Prometheus metrics
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_ESCAPE = re.compile(r"\\(.)")
-
-
-def _labels(text: str | None) -> dict[str, str]:
-    # Exposition format escapes \\, \" and \n inside label values.
-    return {
-        k: _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
-        for k, v in _LABEL.findall(text or "")
-    }
-
-
-def parse_metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
-    """Sum of all samples of metric ``name`` whose labels include ``labels``; None if none match.
-
-    vLLM names counters ``vllm:foo_total`` in the exposition; if no sample is named exactly
-    ``name``, ``name + "_total"`` is tried, so both spellings work. None (rather than 0) lets a
-    test distinguish "metric absent" (wrong name, metric not registered) from "zero".
-    """
-    want = dict(labels or {})
-    for candidate in (name, f"{name}_total"):
-        total, found = 0.0, False
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            m = _SAMPLE.match(line)
-            if not m or m.group(1) != candidate:
-                continue
-            got = _labels(m.group(3))
-            if any(got.get(k) != v for k, v in want.items()):
-                continue
-            total += float(m.group(4))
-            found = True
-        if found:
-            return total
-    return None
-
-
-def parse_metric_labels(text: str, name: str) -> list[dict[str, str]]:
-    """Label sets of every sample of ``name`` (for info-style gauges such as cache_config_info)."""
-    out = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#") and m.group(1) == name:
-            out.append(_labels(m.group(3)))
-    return out
-
-
-def read_metric_labels(base_url: str, name: str, timeout: float = 10.0) -> list[dict[str, str]]:
-    """GET ``base_url/metrics`` and return :func:`parse_metric_labels` of it."""
-    with _OPENER.open(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
-        return parse_metric_labels(resp.read().decode("utf-8", "replace"), name)
-
-
-def read_metric(
-    base_url: str, name: str, labels: Mapping[str, str] | None = None, timeout: float = 10.0
-) -> float | None:
-    """GET ``base_url/metrics`` and return :func:`parse_metric` of it."""
-    with _OPENER.open(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as resp:
-        return parse_metric(resp.read().decode("utf-8", "replace"), name, labels)

@@ -16,7 +16,6 @@ the output against aggregated serving.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Sequence
 from pd_connector.handoff import RecomputeProfile, choose_replay_offset, min_recompute_tokens
 from pd_connector.protocol import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, Verdict, compare, complete
+from pd_connector.testing.placement import cpu_binds
 from pd_connector.testing.servers import VllmServer, free_port, start_many
 from pd_connector.testing.speculative_models import MTP_MODULES
 
@@ -147,7 +147,7 @@ class SpecInstance:
         return complete(self.server.base_url, self.served_model_name, prompt, max_tokens, kv_transfer_params=params)
 
     def events(self) -> dict[str, float]:
-        from pd_connector.testing.servers import read_metric_labels
+        from pd_connector.testing.prometheus import read_metric_labels
 
         out: dict[str, float] = {}
         for labels in read_metric_labels(self.server.base_url, "vllm:pd_events_total"):
@@ -202,26 +202,11 @@ def kv_both_config(spec: InstanceSpec) -> str:
     )
 
 
-def cpu_binds(count: int, first_core: int = 0) -> list[tuple[str, dict[str, str]]]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` and extra environment for ``count`` instances run at once.
-
-    Never two on one core: a vLLM CPU worker spins on ``sched_yield`` between steps (for a second
-    after each, and without pause while a connector keeps the engine stepping), and on this
-    kernel a spinning task pinned to a core starved another instance pinned to the same core
-    for minutes (measured: a D worker runnable for 135 s, run for 19 s; its first handshake
-    timed out). Up to the core count: one core each, from ``first_core``. More: unpinned, one
-    OpenMP thread each, so the kernel can move a waiting instance to the other core."""
-    cores = os.cpu_count() or 1
-    if count <= cores:
-        return [(str((first_core + i) % cores), {}) for i in range(count)]
-    return [("nobind", {"OMP_NUM_THREADS": "1"}) for _ in range(count)]
-
-
 def make_instances(
     spec: InstanceSpec, setups: Sequence[SpecSetup | str], first_core: int = 0
 ) -> dict[str, SpecInstance]:
     """Unstarted instances, one per setup (``servers.start_many`` starts them in parallel).
-    ``first_core``: for groups made separately but run together (see ``cpu_binds``)."""
+    ``first_core``: for groups made separately but run together (see ``placement.cpu_binds``)."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     binds = cpu_binds(len(setups), first_core)

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 from pd_connector.protocol import PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, complete
+from pd_connector.testing.placement import cpu_binds
 from pd_connector.testing.servers import VllmServer, free_port, start_many
-
 
 
 def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:
@@ -68,7 +68,6 @@ class PDStack:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pd-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.side_channel_port = free_port()
-        cpu = config.device == "cpu"
         common = dict(
             served_model_name=config.served_model_name,
             max_model_len=config.max_model_len,
@@ -77,6 +76,13 @@ class PDStack:
         # PYTHONPATH lets a source checkout serve without installing (installed: harmless).
         src = str(Path(__file__).resolve().parents[2])
         env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        # All of them run at once (start_many, then for the whole stack's life): on CPU, one core
+        # each while there are enough, else all unpinned (placement.cpu_binds); "auto" elsewhere.
+        roles = (["baseline"] if config.with_baseline else []) + ["prefill", "decode"]
+        if config.device == "cpu":
+            binds = dict(zip(roles, cpu_binds(len(roles))))
+        else:
+            binds = {role: ("auto", {}) for role in roles}
         self.prefill = VllmServer(
             config.model,
             extra_args=[
@@ -85,8 +91,8 @@ class PDStack:
                 "--kv-transfer-config",
                 kv_transfer_config("kv_producer", self.side_channel_port, config.device, **config.extra_config),
             ],
-            env={**env, **config.prefill_env},
-            omp_threads_bind="0" if cpu else "auto",
+            env={**env, **binds["prefill"][1], **config.prefill_env},
+            omp_threads_bind=binds["prefill"][0],
             log_path=self.log_dir / "prefill.log",
             **common,
         )
@@ -98,8 +104,8 @@ class PDStack:
                 "--kv-transfer-config",
                 kv_transfer_config("kv_consumer", free_port(), config.device, **config.extra_config),
             ],
-            env={**env, **config.decode_env},
-            omp_threads_bind="1" if cpu and (os.cpu_count() or 1) > 1 else "0" if cpu else "auto",
+            env={**env, **binds["decode"][1], **config.decode_env},
+            omp_threads_bind=binds["decode"][0],
             log_path=self.log_dir / "decode.log",
             **common,
         )
@@ -108,8 +114,8 @@ class PDStack:
             self.baseline = VllmServer(
                 config.model,
                 extra_args=[*config.server_args, *config.baseline_args],
-                env={**env, **config.baseline_env},
-                omp_threads_bind="0" if cpu else "auto",
+                env={**env, **binds["baseline"][1], **config.baseline_env},
+                omp_threads_bind=binds["baseline"][0],
                 log_path=self.log_dir / "baseline.log",
                 **common,
             )

@@ -1,4 +1,5 @@
-"""Tests of pd_connector.testing.servers without vLLM: metric parsing and process-group teardown.
+"""Tests of pd_connector.testing.servers (and .prometheus) without vLLM: metric parsing and
+process-group teardown.
 
 The lifecycle tests run a stub "api_server" (a tiny HTTP server that spawns a child in its own
 process group and ignores the first SIGTERM), which is what a real vLLM server looks like to
@@ -12,14 +13,8 @@ import time
 
 import pytest
 
-from pd_connector.testing.servers import (
-    ServerError,
-    VllmServer,
-    free_port,
-    parse_metric,
-    parse_metric_labels,
-    start_many,
-)
+from pd_connector.testing.prometheus import parse_metric, parse_metric_labels
+from pd_connector.testing.servers import ServerError, VllmServer, free_port, start_many
 
 METRICS = """\
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
@@ -142,16 +137,3 @@ def test_start_many_stops_all_on_failure(stub_python, tmp_path):
         start_many([good, bad], timeout=60)
     assert not good.is_running() and good.group_pids() == []
 
-
-def test_instances_never_share_a_pinned_core(monkeypatch):
-    """Regression: the multi-turn pair was made as two groups of one instance, both pinned to
-    core 0; P's worker, spinning between steps, starved D's worker for minutes and the first
-    handshake timed out in CI. Beyond the core count instances are left unpinned."""
-    import os
-
-    from pd_connector.testing.spec_matrix import cpu_binds
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert cpu_binds(2) == [("0", {}), ("1", {})]
-    assert cpu_binds(1) + cpu_binds(1, first_core=1) == [("0", {}), ("1", {})]
-    assert cpu_binds(4) == [("nobind", {"OMP_NUM_THREADS": "1"})] * 4

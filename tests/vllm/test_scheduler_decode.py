@@ -192,3 +192,34 @@ def test_d_reports_each_accepted_handoff_in_the_step_that_admits_it(model_dir):
     _, outputs = run_step(d)
     later = [eco.scheduler_stats.kv_connector_stats for eco in outputs.values() if eco.scheduler_stats]
     assert not any(s and s["recompute_tokens"] for s in later), "reported once"
+
+
+@pytest.mark.parametrize("n", [2, 63, 64, 65, 200])
+def test_hybrid_laid_out_as_vllm_does_loads_the_offset_and_pairs_the_one_state_slot(model_dir, n):
+    """vLLM never gives a hybrid 16-token blocks: the attention block grows until its page holds
+    a Mamba state (Platform._align_hybrid_block_size) and, without prefix caching, the Mamba
+    group's block is max_model_len (one per request). Here 64-token attention blocks and a
+    256-token Mamba block: the prompt ends inside, at, and past a block boundary."""
+    sizes = dict(block_size=64, mamba_block_size=256, max_model_len=256)
+    prompt = list(range(100, 100 + n))
+    p = make_scheduler(model_dir, "kv_producer", groups=HYBRID, **sizes)
+    req = make_request(prompt, {"do_remote_decode": True}, block_size=p.hash_block_size)
+    p.add_request(req)
+    params = {}
+    for _ in range(3):
+        params = finished_params(run_step(p)[1]).get(req.request_id) or params
+    r = params["replay_offset"]
+    assert r == n - 1 and len(params["remote_block_ids"][0]) == -(-r // 64)
+    assert len(params["remote_block_ids"][1]) == 1, "one Mamba state slot"
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID, **sizes)
+    dreq = make_request(prompt, dict(params), block_size=d.hash_block_size)
+    d.add_request(dreq)
+    out, _ = run_step(d)
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dreq.num_computed_tokens == r
+    task = out.kv_connector_metadata.to_recv[dreq.request_id]
+    attn, mamba = d.kv_cache_manager.get_blocks(dreq.request_id).get_block_ids()
+    assert list(task.pairs[0]) == list(zip(params["remote_block_ids"][0], attn))
+    assert list(task.pairs[1]) == [(params["remote_block_ids"][1][0], mamba[-1])]
+    run_step(d, kv_output=KVConnectorOutput(finished_recving={dreq.request_id}))
+    out, _ = run_step(d)
+    assert out.num_scheduled_tokens == {dreq.request_id: n - r}

@@ -1,0 +1,22 @@
+"""Where vLLM CPU instances that run at the same time go: ``VLLM_CPU_OMP_THREADS_BIND`` per
+instance. The one place that decides it for ``stack`` (baseline + P + D) and ``spec_matrix``
+(kv_both instances per speculative config); see docs/operations.md, "CPU hosts"."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_binds(count: int, first_core: int = 0) -> list[tuple[str, dict[str, str]]]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` and extra environment for ``count`` instances run at once.
+
+    Never two on one core: a vLLM CPU worker spins on ``sched_yield`` between steps (for a second
+    after each, and without pause while a connector keeps the engine stepping), and on this
+    kernel a spinning task pinned to a core starved another instance pinned to the same core
+    for minutes (measured: a D worker runnable for 135 s, run for 19 s; its first handshake
+    timed out). Up to the core count: one core each, from ``first_core``. More: unpinned, one
+    OpenMP thread each, so the kernel can move a waiting instance to the other core."""
+    cores = os.cpu_count() or 1
+    if count <= cores:
+        return [(str((first_core + i) % cores), {}) for i in range(count)]
+    return [("nobind", {"OMP_NUM_THREADS": "1"}) for _ in range(count)]
