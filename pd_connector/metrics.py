@@ -5,7 +5,8 @@ for Prometheus series next to vLLM's (``vllm:pd_*`` on the server's ``/metrics``
 The payload is a plain dict (vLLM ships it between processes): sample lists per histogram and
 event counts. Events are stable labels: ``refused:<kind>`` (D refused P's offset),
 ``load_failed:<reason>``, ``claim_refused:<outcome>`` (on P), ``lease_expired``,
-``handoff_offered``, ``handoff_accepted``, ``side_channel_rejected:<kind>``.
+``handoff_offered``, ``handoff_accepted``, ``side_channel_rejected:<kind>``,
+``rejected_before_engine`` (vLLM's stand-in for a request D's serving layer rejected).
 """
 
 from __future__ import annotations

@@ -105,7 +105,10 @@ class SchedulerHalf:
         if params.get("do_remote_decode"):
             self._prepare_prefill(request, params)
         elif params.get("do_remote_prefill"):
-            self._validate_handoff(request, params)
+            if getattr(request, "abort_immediately", False):
+                self._release_rejected(request, params)
+            else:
+                self._validate_handoff(request, params)
 
     def build_connector_meta(self) -> PDMetadata:
         if self._accepted_tails:
@@ -242,6 +245,24 @@ class SchedulerHalf:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         self._decisions[request.request_id] = decision
+
+    def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
+        """vLLM's notice that D's serving layer rejected a request before it reached the engine
+        (a validation error, a client gone during tokenization): ``notify_kv_transfer_request_
+        rejected`` in vllm/v1/engine/async_llm.py submits a pre-aborted stand-in (prompt
+        ``[0]``, ``abort_immediately``, the original kv_transfer_params) so the connector frees
+        what P holds. Release P's lease now (not at expiry), and count it as what it is, not as
+        a refused offset (the 1-token stand-in would otherwise fail validation as
+        ``offset_out_of_range``)."""
+        target = release_target(params)
+        self.recorder.count("rejected_before_engine")
+        logger.info(
+            "pd_connector: request %s was rejected before reaching the engine; %s",
+            request.request_id,
+            f"releasing {target.remote_request_id} on P" if target else "no prefill lease to release",
+        )
+        if target is not None:
+            self._queue_release(target)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         decision = self._decisions.get(request.request_id)

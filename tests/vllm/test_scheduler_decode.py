@@ -223,3 +223,35 @@ def test_hybrid_laid_out_as_vllm_does_loads_the_offset_and_pairs_the_one_state_s
     run_step(d, kv_output=KVConnectorOutput(finished_recving={dreq.request_id}))
     out, _ = run_step(d)
     assert out.num_scheduled_tokens == {dreq.request_id: n - r}
+
+
+def rejection_notice(params, abort_immediately=True):
+    """What vLLM's AsyncLLM.notify_kv_transfer_request_rejected submits when D's serving layer
+    rejects a request before the engine: prompt [0], max_tokens 1, the original params."""
+    req = make_request([0], dict(params), max_tokens=1)
+    req.abort_immediately = abort_immediately
+    return req
+
+
+def test_rejection_notice_releases_p_lease_without_counting_a_refusal(model_dir):
+    params = p_params(model_dir, list(range(100, 140)), HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    req = rejection_notice(params)
+    d.add_request(req)  # as EngineCore.add_request does for abort_immediately requests
+    d.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(d)
+    released = [t.remote_request_id for t in out.kv_connector_metadata.to_release]
+    assert released == [params["remote_request_id"]], "P's blocks freed now, not at lease expiry"
+    assert not out.kv_connector_metadata.to_recv
+    stats = connector_half(d).stats
+    assert stats.get("rejected_before_engine") == 1
+    assert not [k for k in stats if k.startswith("refused:")]
+
+
+def test_same_stand_in_without_the_abort_flag_is_a_refused_offset(model_dir):
+    """Negative control: the flag, not the 1-token prompt, is what marks vLLM's notice."""
+    params = p_params(model_dir, list(range(100, 140)), HYBRID)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    d.add_request(rejection_notice(params, abort_immediately=False))
+    stats = connector_half(d).stats
+    assert stats.get("refused:offset_out_of_range") == 1 and "rejected_before_engine" not in stats
