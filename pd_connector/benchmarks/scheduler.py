@@ -20,7 +20,7 @@ calibrated on an empty method, is subtracted. vLLM's own cost is the CPU time of
 ``add_request`` + ``schedule`` + ``update_from_output`` minus the time inside our hooks, in the
 same run (``scheduler_timing``; tables and plot: ``scheduler_report``). The heap is collected
 and frozen before each timed run, as vLLM's server does after startup (``freeze_gc_heap``).
-Configurations (``CONFIGS``): ``attention`` (one attention group, 16-token blocks: the GPU
+Configurations (``configs()``): ``attention`` (one attention group, 16-token blocks: the GPU
 default); ``hybrid`` (attention + Mamba, laid out as vLLM lays out a Nemotron-H-8B-like model:
 the attention block size raised until its page holds a Mamba state, one Mamba block per request
 with prefix caching off); ``hybrid-b16`` (the same groups at 16-token blocks everywhere, a
@@ -184,7 +184,7 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens D decodes per request")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--configs", nargs="+", default=["attention", "hybrid", "hybrid-b16"],
-                    choices=["attention", "hybrid", "hybrid-b16"], help="see CONFIGS above (default: all)")
+                    choices=["attention", "hybrid", "hybrid-b16"], help="see the description (default: all)")
     ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, help="runs per (configuration, length); default 3 (--quick 1)")
