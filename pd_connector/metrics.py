@@ -23,7 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 HISTOGRAMS = {
     # name: (documentation, buckets)
     "transfer_seconds": (
-        "Duration of one request's KV/state READ, claim to completion.",
+        "Duration of one request's KV/state load, claim to completion.",
+        [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+    ),
+    # The READ alone: transfer_seconds minus this is the claim round trip to P's side channel
+    # plus the wait for D's next engine step, which dominate on a loaded CPU host.
+    "read_seconds": (
+        "Duration of one request's NIXL READ, first post to completion (the part of "
+        "transfer_seconds after P granted the claim).",
         [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
     ),
     "transfer_bytes": (

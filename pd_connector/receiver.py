@@ -51,7 +51,8 @@ MiB = 1 << 20
 class _Read:
     xfer: ChunkedRead
     task: RecvTask
-    started: float
+    started: float  # claim sent
+    read_started: float  # first slice about to be posted
     descriptors: int
     digest: bytes
     nbytes: int
@@ -202,7 +203,7 @@ class Receiver:
                 self.release(_release_of(task))  # nothing will be read: P may free now
                 continue
             nbytes = sum(len(pairs) * self._group_page_bytes.get(g, 0) for g, pairs in enumerate(task.pairs))
-            self._reads[request_id] = _Read(xfer, task, started, runs, granted.state_digest, nbytes)
+            self._reads[request_id] = _Read(xfer, task, started, time.monotonic(), runs, granted.state_digest, nbytes)
 
     def _poll_reads(self) -> None:
         # At most one slice posted per call over DRAM (the copy happens inside the post), oldest
@@ -227,14 +228,16 @@ class Receiver:
                 self._fail(request_id, "the recurrent state read differs from P's digest", "digest")
             else:
                 self.finished.add(request_id)
-                self.recorder.observe("transfer_seconds", time.monotonic() - read.started)
+                now = time.monotonic()
+                self.recorder.observe("transfer_seconds", now - read.started)
+                self.recorder.observe("read_seconds", now - read.read_started)
                 self.recorder.observe("transfer_bytes", read.nbytes)
                 self.recorder.observe("descriptors", read.descriptors)
                 logger.debug(
                     "pd_connector: %s: %d descriptors in %.2f ms",
                     request_id,
                     read.descriptors,
-                    (time.monotonic() - read.started) * 1e3,
+                    (now - read.started) * 1e3,
                 )
 
     def _fail(self, request_id: str, why: str, kind: str) -> None:

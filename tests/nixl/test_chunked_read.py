@@ -186,6 +186,11 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
         want, _ = expected_after(d, p, union)
         assert_bytes(d, want)
         assert collect_notifications(p.transport, 2) == {b"P-r1": 1, b"P-r2": 1}
+        # vllm:pd_transfer_seconds (claim -> done) and vllm:pd_read_seconds (READ alone), one
+        # sample per request; the READ is the later part of the transfer.
+        data = receiver.recorder.interval.data
+        assert len(data["transfer_seconds"]) == len(data["read_seconds"]) == 2
+        assert all(0 <= r <= t for r, t in zip(data["read_seconds"], data["transfer_seconds"]))
     finally:
         receiver.close()
         server.close()
