@@ -271,6 +271,10 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     request_id: str
     replay_offset: int
     block_ids: list[list[int]]
+    # How long P may hold the answer while the lease is still on its way from P's scheduler to
+    # its worker (one engine step; the claim can overtake it): P answers the moment it lands
+    # instead of D polling. 0 (and P without this field): answer at once, Pending if unknown.
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0
 
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):

@@ -45,6 +45,8 @@ logger = logging.getLogger("vllm.pd_connector")
 
 
 MiB = 1 << 20
+# Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms).
+CLAIM_PARK_S = 1.0
 
 
 @dataclass
@@ -279,16 +281,24 @@ class Receiver:
         return reply, time.monotonic() - started
 
     def _claim(self, task: RecvTask) -> Granted:
-        claim = Claim(
-            engine_id=self.engine_id,
-            request_id=task.remote_request_id,
-            replay_offset=task.replay_offset,
-            block_ids=task.remote_block_ids or [],
-        )
         deadline = time.monotonic() + self.settings.claim_wait_seconds
         delay = 0.005
-        while isinstance(reply := self._call(task, claim), Pending) and time.monotonic() < deadline:
-            time.sleep(delay)  # P's grant is one engine step behind the router
+        while True:
+            # P's grant can be one engine step behind the router: P holds the answer up to
+            # wait_ms and replies the moment the lease lands (within our call timeout); a P
+            # that predates wait_ms answers Pending at once and we poll with backoff.
+            wait_s = min(CLAIM_PARK_S, deadline - time.monotonic(), self.settings.handshake_timeout_seconds / 2)
+            claim = Claim(
+                engine_id=self.engine_id,
+                request_id=task.remote_request_id,
+                replay_offset=task.replay_offset,
+                block_ids=task.remote_block_ids or [],
+                wait_ms=max(0, int(wait_s * 1000)),
+            )
+            reply = self._call(task, claim)
+            if not isinstance(reply, Pending) or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
             delay = min(delay * 2, 0.2)
         if isinstance(reply, Pending):
             raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")

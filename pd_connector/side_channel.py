@@ -3,14 +3,23 @@
 One ROUTER socket on P, served by one daemon thread that never touches NIXL (the handler
 callbacks only read prepared bytes or enqueue ids). D uses a short-lived REQ socket per call
 from its background thread, with a timeout, so a dead P costs D a timeout, never a hang.
+
+A handler that cannot answer yet returns a ``Deferred``: the thread parks the request (ROUTER
+replies need not be in order) and keeps serving everyone else; it asks the ``Deferred`` again
+whenever ``kick()`` is called (P's engine thread, after granting leases) and sends its timeout
+reply at the deadline. So D's claim that overtook its lease is granted the moment the lease
+lands, instead of at D's next retry.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -25,7 +34,21 @@ from pd_connector.protocol import (
 
 logger = logging.getLogger("vllm.pd_connector")
 
-Handler = Callable[[Message], Message]
+
+
+@dataclass
+class Deferred:
+    """A reply not ready yet: ``poll()`` returns it, or None while it is not; at ``deadline``
+    (``time.monotonic()``) the server sends ``on_timeout()`` instead."""
+
+    poll: Callable[[], Message | None]
+    deadline: float
+    on_timeout: Callable[[], Message]
+
+
+Handler = Callable[[Message], "Message | Deferred"]
+# Parked requests are also re-polled this often, in case a kick() was missed.
+_PARKED_POLL_S = 0.05
 
 
 class SideChannelError(RuntimeError):
@@ -83,47 +106,104 @@ class SideChannelServer:
         self.address = (host, port)
         # Refused messages by ProtocolError kind (malformed, oversized, unauthenticated, ...).
         self.rejected: dict[str, int] = {}
+        # kick(): a byte on a pipe the serving thread polls next to the socket (thread-safe,
+        # unlike a zmq socket shared with another thread).
+        self._kick_r, self._kick_w = os.pipe()
+        os.set_blocking(self._kick_r, False)
+        os.set_blocking(self._kick_w, False)
+        self._parked: list[tuple[bytes, Deferred]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
         self._thread.start()
 
+    def kick(self) -> None:
+        """Re-poll parked requests now (any thread)."""
+        try:
+            os.write(self._kick_w, b"k")
+        except (BlockingIOError, OSError):
+            pass  # pipe full: a kick is already pending (or the server is closing)
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._kick_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
-                continue
+            timeout_ms = 200
+            if self._parked:
+                until = min(d.deadline for _, d in self._parked) - time.monotonic()
+                timeout_ms = max(0, min(int(until * 1000) + 1, int(_PARKED_POLL_S * 1000)))
+            events = dict(poller.poll(timeout_ms))
+            if self._kick_r in events:
+                try:
+                    while os.read(self._kick_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            if self._sock in events:
+                self._receive()
+            if self._parked:
+                self._resolve_parked()
+
+    def _receive(self) -> None:
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        if len(frames) < 3:
+            return  # not a REQ envelope (identity, empty delimiter, body)
+        identity, body = frames[0], frames[-1]
+        try:
+            reply = self._handler(decode_message(body, self._secret))
+        except ProtocolError as exc:
+            self.rejected[exc.kind] = self.rejected.get(exc.kind, 0) + 1
+            logger.warning("pd_connector: side channel refused a message: %s", exc)
+            reply = Reject(reason=str(exc))
+        except Exception as exc:  # a handler bug must not kill the listener
+            logger.exception("pd_connector: side-channel handler failed")
+            reply = Reject(reason=f"internal error: {exc}")
+        if isinstance(reply, Deferred):
+            self._parked.append((identity, reply))
+        else:
+            self._send(identity, reply)
+
+    def _resolve_parked(self) -> None:
+        now, still = time.monotonic(), []
+        for identity, deferred in self._parked:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
-            if len(frames) < 3:
-                continue  # not a REQ envelope (identity, empty delimiter, body)
-            identity, body = frames[0], frames[-1]
-            try:
-                reply = self._handler(decode_message(body, self._secret))
-            except ProtocolError as exc:
-                self.rejected[exc.kind] = self.rejected.get(exc.kind, 0) + 1
-                logger.warning("pd_connector: side channel refused a message: %s", exc)
-                reply = Reject(reason=str(exc))
-            except Exception as exc:  # a handler bug must not kill the listener
-                logger.exception("pd_connector: side-channel handler failed")
+                reply = deferred.poll()
+                if reply is None and now >= deferred.deadline:
+                    reply = deferred.on_timeout()
+            except Exception as exc:
+                logger.exception("pd_connector: side-channel deferred reply failed")
                 reply = Reject(reason=f"internal error: {exc}")
-            try:
-                frame = encode_message(reply, self._secret)
-            except Exception as exc:  # an unencodable reply must not kill the listener either
-                logger.exception("pd_connector: cannot encode a side-channel reply")
-                frame = encode_message(Reject(reason=f"internal error: {exc}"), self._secret)
-            try:
-                self._sock.send_multipart([identity, b"", frame])
-            except zmq.ZMQError as exc:
-                logger.warning("pd_connector: side-channel reply failed: %s", exc)
+            if reply is None:
+                still.append((identity, deferred))
+            else:
+                self._send(identity, reply)
+        self._parked = still
+
+    def _send(self, identity: bytes, reply: Message) -> None:
+        try:
+            frame = encode_message(reply, self._secret)
+        except Exception as exc:  # an unencodable reply must not kill the listener either
+            logger.exception("pd_connector: cannot encode a side-channel reply")
+            frame = encode_message(Reject(reason=f"internal error: {exc}"), self._secret)
+        try:
+            self._sock.send_multipart([identity, b"", frame])
+        except zmq.ZMQError as exc:
+            logger.warning("pd_connector: side-channel reply failed: %s", exc)
 
     def close(self) -> None:
         self._stop.set()
+        self.kick()
         self._thread.join(timeout=2)
         self._sock.close()
         self._ctx.term()
+        for fd in (self._kick_r, self._kick_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def call(host: str, port: int, message: Message, timeout_s: float, secret: bytes = b"") -> Message:

@@ -158,17 +158,32 @@ class WorkerHalf:
             return Ack()
         return Reject(reason=f"unexpected message {type(message).__name__}")
 
-    def _serve_claim(self, claim: Claim) -> Message:
+    def _serve_claim(self, claim: Claim) -> "Message | side_channel.Deferred":
+        reply = self._claim_reply(claim)
+        if reply is not None:
+            return reply
+        # UNKNOWN: the grant travels with the next engine step's metadata and a claim can
+        # overtake it. Park the claim (the side-channel thread keeps serving every peer) and
+        # answer when start_load_kv grants the lease (it kicks the server), or Pending when
+        # D's wait runs out (D then asks again for up to claim_wait_seconds).
+        why = f"no lease for request {claim.request_id} on this prefill instance"
+        if claim.wait_ms <= 0:
+            return Pending(reason=why)
+        return side_channel.Deferred(
+            poll=lambda: self._claim_reply(claim),
+            deadline=time.monotonic() + claim.wait_ms / 1000,
+            on_timeout=lambda: Pending(reason=why),
+        )
+
+    def _claim_reply(self, claim: Claim) -> Message | None:
+        """Granted or Reject for D's claim; None while P does not know the lease yet."""
         now = time.monotonic()
         with self._lease_lock:
             outcome, why = self._leases.claim(
                 claim.request_id, claim.replay_offset, claim.block_ids, now, now + self.settings.lease_seconds
             )
         if outcome == UNKNOWN:
-            # The grant travels with the next engine step's metadata and a claim can overtake
-            # it; D asks again for up to claim_wait_seconds. Never wait here: this thread
-            # serves every peer.
-            return Pending(reason=why)
+            return None
         if outcome != GRANTED:
             with self._lease_lock:
                 self.recorder.count(f"claim_refused:{outcome}")
@@ -187,6 +202,8 @@ class WorkerHalf:
             with self._lease_lock:
                 for request_id, lease in meta.to_send.items():
                     self._leases.grant(request_id, lease.deadline, lease.offset, lease.block_ids)
+            if self.server is not None:
+                self.server.kick()  # claims that overtook these leases are answered now
         assert self.receiver is not None or not (meta.to_recv or meta.to_release or meta.to_extend)
         for request_id, task in meta.to_recv.items():
             self.receiver.add(request_id, task)

@@ -354,3 +354,62 @@ def test_client_with_secret_refuses_an_unsigned_server(server):
         side_channel.call(
             HOST, server.address[1], Hello(engine_id="engine-d", compat=COMPAT), 5.0, secret=b"k"
         )
+
+
+def test_deferred_reply_is_sent_on_kick_while_other_peers_are_served(free_port):
+    """A claim that overtook its lease is parked, not answered Pending: the listener keeps
+    serving other messages meanwhile, and answers it as soon as kick() says news arrived."""
+    ready = threading.Event()
+
+    def handler(message):
+        if isinstance(message, Release) and message.request_ids == ["parked"]:
+            return side_channel.Deferred(
+                poll=lambda: Ack() if ready.is_set() else None,
+                deadline=time.monotonic() + 30,
+                on_timeout=lambda: Reject(reason="timed out"),
+            )
+        return Ack()
+
+    srv = SideChannelServer(HOST, free_port, handler)
+    try:
+        out: dict = {}
+        caller = threading.Thread(
+            target=lambda: out.update(reply=side_channel.call(HOST, free_port, Release(request_ids=["parked"]), 20.0))
+        )
+        caller.start()
+        time.sleep(0.2)
+        assert "reply" not in out, "answered before the news"
+        assert side_channel.call(HOST, free_port, Release(request_ids=["other"]), 2.0) == Ack()
+        t0 = time.monotonic()
+        ready.set()
+        srv.kick()
+        caller.join(5)
+        assert out.get("reply") == Ack()
+        # Well under the 50 ms safety re-poll plus scheduling noise: the kick woke the thread.
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+
+
+def test_deferred_reply_times_out_with_its_own_answer(free_port):
+    srv = SideChannelServer(
+        HOST,
+        free_port,
+        lambda m: side_channel.Deferred(poll=lambda: None, deadline=time.monotonic() + 0.2,
+                                        on_timeout=lambda: Reject(reason="still no lease")),
+    )
+    try:
+        assert side_channel.call(HOST, free_port, Release(request_ids=["x"]), 5.0) == Reject(reason="still no lease")
+    finally:
+        srv.close()
+
+
+def test_deferred_poll_that_raises_gets_reject_and_listener_survives(free_port):
+    calls = iter([side_channel.Deferred(poll=lambda: 1 / 0, deadline=time.monotonic() + 5, on_timeout=Ack)])
+    srv = SideChannelServer(HOST, free_port, lambda m: next(calls, Ack()))
+    try:
+        reply = side_channel.call(HOST, free_port, Release(request_ids=["x"]), 5.0)
+        assert isinstance(reply, Reject) and "internal error" in reply.reason
+        assert side_channel.call(HOST, free_port, Release(request_ids=["y"]), 5.0) == Ack()
+    finally:
+        srv.close()

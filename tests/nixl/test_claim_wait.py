@@ -1,0 +1,81 @@
+"""P answers a claim that overtook its lease the moment the lease lands (Claim.wait_ms), over a
+real side channel, with P's own claim handler (WorkerHalf._serve); no NIXL transfer needed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pd_connector import side_channel
+from pd_connector.config import ConnectorSettings
+from pd_connector.leases import LeaseTable
+from pd_connector.metadata import PDMetadata, SendLease
+from pd_connector.metrics import Recorder
+from pd_connector.protocol import Claim, Granted, Pending, Reject
+from pd_connector.worker import WorkerHalf
+
+HOST = "127.0.0.1"
+BLOCKS = [[3, 4], [9]]
+
+
+def prefill_worker() -> WorkerHalf:
+    """The P-side state _serve and start_load_kv use, without vLLM or NIXL."""
+    w = WorkerHalf.__new__(WorkerHalf)
+    w.settings = ConnectorSettings()
+    w._leases, w._lease_lock = LeaseTable(), threading.Lock()
+    w.recorder, w._digester, w.mamba_groups = Recorder(), None, []
+    w._wake, w._idle_step, w._idle_wait_s = threading.Event(), False, 0.0
+    w.receiver, w.server = None, None
+    return w
+
+
+def grant(w: WorkerHalf, request_id: str, offset: int = 31) -> None:
+    """What P's engine thread does one step after the request finished."""
+    lease = SendLease(deadline=time.monotonic() + 30, offset=offset, block_ids=BLOCKS)
+    w.start_load_kv(PDMetadata(to_send={request_id: lease}, to_recv={}, to_release=[], to_extend=[]))
+
+
+def claim(request_id: str, wait_ms: int, offset: int = 31) -> Claim:
+    return Claim(engine_id="d", request_id=request_id, replay_offset=offset, block_ids=BLOCKS, wait_ms=wait_ms)
+
+
+def test_claim_that_overtook_its_lease_is_granted_when_the_lease_lands(free_port):
+    w = prefill_worker()
+    w.server = side_channel.SideChannelServer(HOST, free_port, w._serve)
+    try:
+        out: dict = {}
+        caller = threading.Thread(target=lambda: out.update(r=side_channel.call(HOST, free_port, claim("r1", 10_000), 20)))
+        caller.start()
+        time.sleep(0.3)
+        assert "r" not in out, "P must hold the answer, not say Pending or Reject"
+        t0 = time.monotonic()
+        grant(w, "r1")
+        caller.join(10)
+        assert isinstance(out.get("r"), Granted)
+        assert time.monotonic() - t0 < 5  # the grant's kick, not the 10 s wait, ended it
+    finally:
+        w.server.close()
+
+
+def test_claim_without_wait_is_answered_pending_at_once_as_before(free_port):
+    """A D that predates wait_ms (0): P answers Pending at once and D polls."""
+    w = prefill_worker()
+    w.server = side_channel.SideChannelServer(HOST, free_port, w._serve)
+    try:
+        assert isinstance(side_channel.call(HOST, free_port, claim("r2", 0), 5), Pending)
+        grant(w, "r2")
+        assert isinstance(side_channel.call(HOST, free_port, claim("r2", 0), 5), Granted)
+    finally:
+        w.server.close()
+
+
+def test_parked_claim_runs_out_as_pending_and_a_mismatch_is_still_refused(free_port):
+    w = prefill_worker()
+    w.server = side_channel.SideChannelServer(HOST, free_port, w._serve)
+    try:
+        assert isinstance(side_channel.call(HOST, free_port, claim("r3", 200), 5), Pending)
+        grant(w, "r3", offset=31)
+        reply = side_channel.call(HOST, free_port, claim("r3", 200, offset=30), 5)
+        assert isinstance(reply, Reject) and "does not match the lease" in reply.reason
+    finally:
+        w.server.close()
