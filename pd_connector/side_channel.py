@@ -49,6 +49,9 @@ class Deferred:
 Handler = Callable[[Message], "Message | Deferred"]
 # Parked requests are also re-polled this often, in case a kick() was missed.
 _PARKED_POLL_S = 0.05
+# More parked requests than this (a flood, or a peer asking about ids P never leased) get their
+# timeout answer at once: parking is an optimisation, never a place to pile up memory.
+MAX_PARKED = 4096
 
 
 class SideChannelError(RuntimeError):
@@ -81,6 +84,14 @@ def bind_error_message(host: str, port: int, exc: zmq.ZMQError) -> str:
 
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _timeout_reply(deferred: Deferred) -> Message:
+    try:
+        return deferred.on_timeout()
+    except Exception as exc:
+        logger.exception("pd_connector: side-channel deferred reply failed")
+        return Reject(reason=f"internal error: {exc}")
 
 
 class SideChannelServer:
@@ -162,20 +173,22 @@ class SideChannelServer:
             logger.exception("pd_connector: side-channel handler failed")
             reply = Reject(reason=f"internal error: {exc}")
         if isinstance(reply, Deferred):
-            self._parked.append((identity, reply))
-        else:
-            self._send(identity, reply)
+            if len(self._parked) < MAX_PARKED:
+                self._parked.append((identity, reply))
+                return
+            reply = _timeout_reply(reply)
+        self._send(identity, reply)
 
     def _resolve_parked(self) -> None:
         now, still = time.monotonic(), []
         for identity, deferred in self._parked:
             try:
                 reply = deferred.poll()
-                if reply is None and now >= deferred.deadline:
-                    reply = deferred.on_timeout()
             except Exception as exc:
                 logger.exception("pd_connector: side-channel deferred reply failed")
                 reply = Reject(reason=f"internal error: {exc}")
+            if reply is None and now >= deferred.deadline:
+                reply = _timeout_reply(deferred)
             if reply is None:
                 still.append((identity, deferred))
             else:

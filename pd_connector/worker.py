@@ -171,7 +171,8 @@ class WorkerHalf:
             return Pending(reason=why)
         return side_channel.Deferred(
             poll=lambda: self._claim_reply(claim),
-            deadline=time.monotonic() + claim.wait_ms / 1000,
+            # D asks for at most 1 s (receiver.CLAIM_PARK_S); never hold one longer than 2 s.
+            deadline=time.monotonic() + min(claim.wait_ms, 2000) / 1000,
             on_timeout=lambda: Pending(reason=why),
         )
 

@@ -413,3 +413,17 @@ def test_deferred_poll_that_raises_gets_reject_and_listener_survives(free_port):
         assert side_channel.call(HOST, free_port, Release(request_ids=["y"]), 5.0) == Ack()
     finally:
         srv.close()
+
+
+def test_parking_is_bounded_beyond_max_parked_the_timeout_answer_comes_at_once(free_port, monkeypatch):
+    monkeypatch.setattr(side_channel, "MAX_PARKED", 0)
+    srv = SideChannelServer(
+        HOST,
+        free_port,
+        lambda m: side_channel.Deferred(poll=lambda: None, deadline=time.monotonic() + 30,
+                                        on_timeout=lambda: Reject(reason="busy")),
+    )
+    try:
+        assert side_channel.call(HOST, free_port, Release(request_ids=["x"]), 2.0) == Reject(reason="busy")
+    finally:
+        srv.close()
