@@ -35,7 +35,6 @@ from pd_connector.protocol import (
 logger = logging.getLogger("vllm.pd_connector")
 
 
-
 @dataclass
 class Deferred:
     """A reply not ready yet: ``poll()`` returns it, or None while it is not; at ``deadline``
@@ -122,6 +121,10 @@ class SideChannelServer:
         self._kick_r, self._kick_w = os.pipe()
         os.set_blocking(self._kick_r, False)
         os.set_blocking(self._kick_w, False)
+        # Guards the pipe's write end against close(): a kick after close must not write into
+        # whatever file reuses the descriptor number.
+        self._kick_lock = threading.Lock()
+        self._closed = False
         self._parked: list[tuple[bytes, Deferred]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
@@ -129,10 +132,13 @@ class SideChannelServer:
 
     def kick(self) -> None:
         """Re-poll parked requests now (any thread)."""
-        try:
-            os.write(self._kick_w, b"k")
-        except (BlockingIOError, OSError):
-            pass  # pipe full: a kick is already pending (or the server is closing)
+        with self._kick_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._kick_w, b"k")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: a kick is already pending
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -212,11 +218,12 @@ class SideChannelServer:
         self._thread.join(timeout=2)
         self._sock.close()
         self._ctx.term()
-        for fd in (self._kick_r, self._kick_w):
-            try:
+        with self._kick_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._kick_r, self._kick_w):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def call(host: str, port: int, message: Message, timeout_s: float, secret: bytes = b"") -> Message:

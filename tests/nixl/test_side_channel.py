@@ -427,3 +427,12 @@ def test_parking_is_bounded_beyond_max_parked_the_timeout_answer_comes_at_once(f
         assert side_channel.call(HOST, free_port, Release(request_ids=["x"]), 2.0) == Reject(reason="busy")
     finally:
         srv.close()
+
+
+def test_kick_after_close_is_a_no_op(free_port, handler):
+    """P's engine thread may grant a lease during shutdown: kick() must not write into a reused
+    descriptor number."""
+    srv = SideChannelServer(HOST, free_port, handler)
+    srv.close()
+    srv.kick()
+    srv.close()  # idempotent enough for a second shutdown path
