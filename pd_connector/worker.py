@@ -160,31 +160,32 @@ class WorkerHalf:
 
     def _serve_claim(self, claim: Claim) -> "Message | side_channel.Deferred":
         reply = self._claim_reply(claim)
-        if reply is not None:
+        if not isinstance(reply, Pending) or claim.wait_ms <= 0:
             return reply
-        # UNKNOWN: the grant travels with the next engine step's metadata and a claim can
-        # overtake it. Park the claim (the side-channel thread keeps serving every peer) and
-        # answer when start_load_kv grants the lease (it kicks the server), or Pending when
-        # D's wait runs out (D then asks again for up to claim_wait_seconds).
-        why = f"no lease for request {claim.request_id} on this prefill instance"
-        if claim.wait_ms <= 0:
-            return Pending(reason=why)
+        # The grant travels with the next engine step's metadata and a claim can overtake it.
+        # Park the claim (the side-channel thread keeps serving every peer) and answer when
+        # start_load_kv grants the lease (it kicks the server), or Pending when D's wait runs
+        # out (D then asks again for up to claim_wait_seconds).
+        def answer_once_known() -> Message | None:
+            answer = self._claim_reply(claim)
+            return None if isinstance(answer, Pending) else answer
+
         return side_channel.Deferred(
-            poll=lambda: self._claim_reply(claim),
+            poll=answer_once_known,
             # D asks for at most 1 s (receiver.CLAIM_PARK_S); never hold one longer than 2 s.
             deadline=time.monotonic() + min(claim.wait_ms, 2000) / 1000,
-            on_timeout=lambda: Pending(reason=why),
+            on_timeout=lambda: reply,
         )
 
-    def _claim_reply(self, claim: Claim) -> Message | None:
-        """Granted or Reject for D's claim; None while P does not know the lease yet."""
+    def _claim_reply(self, claim: Claim) -> Message:
+        """Granted, Reject, or Pending while P does not know the lease yet."""
         now = time.monotonic()
         with self._lease_lock:
             outcome, why = self._leases.claim(
                 claim.request_id, claim.replay_offset, claim.block_ids, now, now + self.settings.lease_seconds
             )
         if outcome == UNKNOWN:
-            return None
+            return Pending(reason=why)
         if outcome != GRANTED:
             with self._lease_lock:
                 self.recorder.count(f"claim_refused:{outcome}")
