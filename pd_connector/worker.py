@@ -46,6 +46,10 @@ from pd_connector.vllm_compat import engine_compat, regions_from_kv_caches
 
 logger = logging.getLogger("vllm.pd_connector")
 
+# D asks P to hold a claim for at most 1 s (receiver.CLAIM_PARK_S); P never holds one longer
+# than this, whatever a peer asks.
+MAX_CLAIM_PARK_MS = 2000
+
 
 class WorkerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
@@ -172,8 +176,7 @@ class WorkerHalf:
 
         return side_channel.Deferred(
             poll=answer_once_known,
-            # D asks for at most 1 s (receiver.CLAIM_PARK_S); never hold one longer than 2 s.
-            deadline=time.monotonic() + min(claim.wait_ms, 2000) / 1000,
+            deadline=time.monotonic() + min(claim.wait_ms, MAX_CLAIM_PARK_MS) / 1000,
             on_timeout=lambda: reply,
         )
 

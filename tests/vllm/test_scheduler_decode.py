@@ -9,10 +9,11 @@ from vllm.v1.request import RequestStatus
 HYBRID = ("attention", "mamba")
 
 
-def p_params(model_dir, prompt, groups, **extra):
-    """Real P output for ``prompt`` (what a router would forward to D)."""
-    p = make_scheduler(model_dir, "kv_producer", groups=groups)
-    req = make_request(prompt, {"do_remote_decode": True, **extra})
+def p_params(model_dir, prompt, groups, sizes=None, **extra):
+    """Real P output for ``prompt`` (what a router would forward to D); ``sizes``: block-size
+    arguments of make_scheduler."""
+    p = make_scheduler(model_dir, "kv_producer", groups=groups, **(sizes or {}))
+    req = make_request(prompt, {"do_remote_decode": True, **extra}, block_size=p.hash_block_size)
     p.add_request(req)
     for _ in range(3):
         done = finished_params(run_step(p)[1])
@@ -202,12 +203,7 @@ def test_hybrid_laid_out_as_vllm_does_loads_the_offset_and_pairs_the_one_state_s
     256-token Mamba block: the prompt ends inside, at, and past a block boundary."""
     sizes = dict(block_size=64, mamba_block_size=256, max_model_len=256)
     prompt = list(range(100, 100 + n))
-    p = make_scheduler(model_dir, "kv_producer", groups=HYBRID, **sizes)
-    req = make_request(prompt, {"do_remote_decode": True}, block_size=p.hash_block_size)
-    p.add_request(req)
-    params = {}
-    for _ in range(3):
-        params = finished_params(run_step(p)[1]).get(req.request_id) or params
+    params = p_params(model_dir, prompt, HYBRID, sizes)
     r = params["replay_offset"]
     assert r == n - 1 and len(params["remote_block_ids"][0]) == -(-r // 64)
     assert len(params["remote_block_ids"][1]) == 1, "one Mamba state slot"
