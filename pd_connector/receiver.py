@@ -90,6 +90,7 @@ class Receiver:
         # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
         # waits for its grant does not hold up the others.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-side-channel")
+        self._client = side_channel.Client(max_idle_per_peer=4)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
@@ -185,10 +186,11 @@ class Receiver:
                 continue
             del self._claims[request_id]
             try:
-                granted = future.result()
+                granted, answered = future.result()
             except Exception as exc:
                 self._fail(request_id, str(exc), "claim")
                 continue
+            self.recorder.observe("claim_seconds", answered - started)
             try:
                 local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
                 if local_idx.size == 0:
@@ -255,7 +257,7 @@ class Receiver:
     # -- background thread: side channel only ---------------------------------------------------
 
     def _call(self, task, message):
-        return side_channel.call(
+        return self._client.call(
             task.remote_host,
             task.remote_port,
             message,
@@ -280,7 +282,8 @@ class Receiver:
             raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
         return reply, time.monotonic() - started
 
-    def _claim(self, task: RecvTask) -> Granted:
+    def _claim(self, task: RecvTask) -> tuple[Granted, float]:
+        """P's grant, and when it arrived (``time.monotonic()``)."""
         deadline = time.monotonic() + self.settings.claim_wait_seconds
         delay = 0.005
         while True:
@@ -306,7 +309,7 @@ class Receiver:
             raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
         if not isinstance(reply, Granted):
             raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
-        return reply
+        return reply, time.monotonic()
 
     def _send_release(self, task: ReleaseTask) -> None:
         try:
@@ -325,3 +328,4 @@ class Receiver:
         for read in self._reads.values():
             read.xfer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._client.close()

@@ -178,6 +178,7 @@ SERIES = {
         "vllm:request_queue_time_seconds",
         "vllm:request_prefill_time_seconds",
         "vllm:pd_transfer_seconds",
+        "vllm:pd_claim_seconds",
         "vllm:pd_read_seconds",
         "vllm:nixl_xfer_time_seconds",
     ],

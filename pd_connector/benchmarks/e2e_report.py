@@ -33,6 +33,8 @@ def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float |
         "handoff_overhead_ms": _ms(d_ttft - d_itl) if d_ttft is not None and d_itl is not None else None,
         "transfer_ms": _ms(mean_delta(before, after, f"decode:{transfer_key}")),
         "read_ms": _ms(mean_delta(before, after, f"decode:{read_key}")),
+        # NixlConnector has no claim: its D reads what the params name, unconfirmed.
+        "claim_ms": _ms(mean_delta(before, after, "decode:vllm:pd_claim_seconds")) if system == "pd" else None,
         "d_queue_ms": _ms(mean_delta(before, after, "decode:vllm:request_queue_time_seconds")),
         "d_prefill_ms": _ms(mean_delta(before, after, "decode:vllm:request_prefill_time_seconds")),
         "p_e2e_ms": _ms(mean_delta(before, after, "prefill:vllm:e2e_request_latency_seconds")),
@@ -89,8 +91,8 @@ def latency_table(rows: list[dict]) -> str:
 
 
 def handoff_table(runs: list[dict]) -> str:
-    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "READ ms", "D TTFT ms", "D ITL ms",
-               "D queue ms", "P e2e ms"]
+    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "claim ms", "READ ms", "D TTFT ms",
+               "D ITL ms", "D queue ms", "P e2e ms"]
 
     def f(x):
         return "-" if x is None else f"{x:.1f}"
@@ -99,7 +101,8 @@ def handoff_table(runs: list[dict]) -> str:
     for run in runs:
         for s in SYSTEMS:
             h = run["handoff"][s]
-            body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h.get("read_ms")),
+            body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h.get("claim_ms")),
+                         f(h.get("read_ms")),
                          f(h["d_ttft_ms"]),
                          f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip
     return report.format_table(headers, body)

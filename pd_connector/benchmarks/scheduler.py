@@ -49,7 +49,15 @@ from pathlib import Path
 
 from pd_connector.benchmarks import report
 from pd_connector.benchmarks.scheduler_report import TARGET_US, best_run, plot, print_profile, table
-from pd_connector.benchmarks.scheduler_timing import Driver, Timers, calibrate, frozen_heap, instrument, summarize
+from pd_connector.benchmarks.scheduler_timing import (
+    Driver,
+    Timers,
+    calibrate,
+    frozen_heap,
+    gc_accounting,
+    instrument,
+    summarize,
+)
 
 
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -111,7 +119,7 @@ def run_p(harness, model_dir, cfg: Config, prompts, args, cal: dict):
         for p in prompts
     ]
     params: dict[str, dict] = {}
-    with frozen_heap():
+    with frozen_heap(), gc_accounting(timers):
         t0 = time.perf_counter_ns()
         for r in reqs:
             d.add(r)
@@ -146,7 +154,7 @@ def run_d(harness, model_dir, cfg: Config, prompts, p_params, args, cal: dict, p
     ]
     done_ids: set[str] = set()
     loaded_total = 0
-    with frozen_heap():
+    with frozen_heap(), gc_accounting(timers):
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter_ns()

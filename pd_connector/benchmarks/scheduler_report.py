@@ -28,7 +28,7 @@ def top_hooks(r: dict, k: int = 2) -> str:
 
 
 def table(results: list[dict]) -> str:
-    headers = ["config", "block", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "ours wall", "vLLM µs/req", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
+    headers = ["config", "block", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "ours wall", "vLLM µs/req", "of which GC", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
     rows = [
         [
             r["config"],
@@ -39,6 +39,7 @@ def table(results: list[dict]) -> str:
             "yes" if r["connector_us_per_request"] <= TARGET_US else "NO",
             f"{r['connector_wall_us_per_request']:.1f}",
             f"{r['vllm_us_per_request']:.0f}",
+            f"{r.get('gc_us_per_request', {}).get('vllm', 0.0):.0f}",
             f"{r['connector_us_per_request'] / r['vllm_us_per_request'] * 100:.1f}%",
             "/".join(f"{x:.0f}" for x in r["runs_connector_us_per_request"]),
             top_hooks(r),

@@ -51,6 +51,11 @@ class Timers:
         self.wall: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        # > 0 while one of our hooks runs: a garbage collection starting then is charged to us.
+        self.depth = 0
+        # Collections during the run (see gc_accounting): CPU ns and count, in ours / in vLLM.
+        self.gc_cpu: dict[str, int] = defaultdict(int)
+        self.gc_runs: dict[str, int] = defaultdict(int)
 
     def wrap(self, obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
@@ -59,11 +64,13 @@ class Timers:
 
         @functools.wraps(fn)
         def timed(*a, **kw):
+            self.depth += 1
             w0, c0 = wall_clock(), cpu_clock()
             try:
                 return fn(*a, **kw)
             finally:
                 c1, w1 = cpu_clock(), wall_clock()
+                self.depth -= 1
                 cpu[label] += c1 - c0
                 wall[label] += w1 - w0
                 calls[label] += 1
@@ -168,6 +175,30 @@ def frozen_heap():
         gc.collect()
 
 
+@contextlib.contextmanager
+def gc_accounting(timers: Timers):
+    """Charge each garbage collection of the run (``gc.callbacks``) to our hooks or to vLLM, by
+    where it started. Collections are part of both figures already (they run inside whichever
+    call allocated past the threshold); this says how much, so that a figure inflated by a
+    collection it merely triggered shows as such (measured: a few µs per request, gen 0/1
+    only, with the heap frozen as a vLLM server freezes it)."""
+    started = [0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time_ns()
+            return
+        where = "ours" if timers.depth else "vllm"
+        timers.gc_cpu[where] += time.thread_time_ns() - started[0]
+        timers.gc_runs[f"{where}_gen{info['generation']}"] += 1
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def summarize(timers: Timers, d: Driver, wall_ns: int, n: int, cal: dict) -> dict:
     hooks = {}
     for label in sorted(timers.calls):
@@ -191,5 +222,7 @@ def summarize(timers: Timers, d: Driver, wall_ns: int, n: int, cal: dict) -> dic
         "vllm_us_per_request": vllm_cpu,
         "vllm_wall_us_per_request": vllm_wall,
         "vllm_breakdown_us_per_request": {k: v / n / 1e3 for k, v in d.vllm_cpu.items()},
+        "gc_us_per_request": {where: ns / n / 1e3 for where, ns in timers.gc_cpu.items()},
+        "gc_collections": dict(timers.gc_runs),
         "wall_s": wall_ns / 1e9,
     }

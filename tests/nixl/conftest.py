@@ -42,3 +42,9 @@ def free_loopback_port() -> int:
 @pytest.fixture
 def free_port() -> int:
     return free_loopback_port()
+
+
+@pytest.fixture
+def new_free_port():
+    """Call it for as many free ports as a test needs."""
+    return free_loopback_port

@@ -177,15 +177,23 @@ def test_d_mismatched_group_count_is_refused(model_dir):
 
 
 def test_d_reports_each_accepted_handoff_in_the_step_that_admits_it(model_dir):
-    """D records a step's accepted handoffs in one go (build_connector_meta), not one by one
-    inside the admission loop: none may be lost, counted twice or reported a step late."""
+    """D pairs and records a step's accepted handoffs in one pass (build_connector_meta), not
+    one by one inside the admission loop: none may be lost, counted twice, reported a step
+    late, or paired with another request's blocks."""
     prompts = [list(range(100 + 50 * i, 140 + 50 * i)) for i in range(3)]
     params = [p_params(model_dir, prompt, HYBRID) for prompt in prompts]
     d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
-    for prompt, pp in zip(prompts, params):
-        d.add_request(make_request(prompt, dict(pp)))
+    reqs = [make_request(prompt, dict(pp)) for prompt, pp in zip(prompts, params)]
+    for req in reqs:
+        d.add_request(req)
     out, outputs = run_step(d)
     assert len(out.kv_connector_metadata.to_recv) == 3
+    for req, pp in zip(reqs, params):
+        task = out.kv_connector_metadata.to_recv[req.request_id]
+        attention, mamba = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
+        assert task.remote_request_id == pp["remote_request_id"]
+        assert task.pairs[0] == list(zip(pp["remote_block_ids"][0], attention))
+        assert task.pairs[1] == [(pp["remote_block_ids"][1][0], clip_ssm_state_blocks(list(mamba), 0)[0])]
     assert connector_half(d).stats["handoff_accepted"] == 3
     (stats,) = [eco.scheduler_stats.kv_connector_stats for eco in outputs.values() if eco.scheduler_stats]
     assert stats["events"]["handoff_accepted"] == 3
@@ -193,6 +201,29 @@ def test_d_reports_each_accepted_handoff_in_the_step_that_admits_it(model_dir):
     _, outputs = run_step(d)
     later = [eco.scheduler_stats.kv_connector_stats for eco in outputs.values() if eco.scheduler_stats]
     assert not any(s and s["recompute_tokens"] for s in later), "reported once"
+
+
+def test_d_unpairable_handoff_reaches_the_worker_as_a_failed_load(model_dir):
+    """P's params decode and the offset is fine, but P sent fewer attention blocks than the
+    offset needs (a P with another block size, or edited params): pairing fails at the end of
+    the step, the worker gets a task without pairs (it reports the load failed, and vLLM
+    recomputes), and the refusal is counted; the other handoff of the same step is unaffected."""
+    prompts = [list(range(100, 140)), list(range(200, 240))]
+    params = [p_params(model_dir, prompt, HYBRID) for prompt in prompts]
+    params[0]["remote_block_ids"] = [params[0]["remote_block_ids"][0][:1], params[0]["remote_block_ids"][1]]
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    reqs = [make_request(prompt, dict(pp)) for prompt, pp in zip(prompts, params)]
+    for req in reqs:
+        d.add_request(req)
+    out, _ = run_step(d)
+    tasks = out.kv_connector_metadata.to_recv
+    assert tasks[reqs[0].request_id].pairs is None
+    assert tasks[reqs[1].request_id].pairs is not None
+    assert connector_half(d).stats["refused:pairing"] == 1
+    rid = reqs[0].request_id
+    run_step(d, kv_output=KVConnectorOutput(finished_recving={rid}, failed_recving={rid}))
+    out, _ = run_step(d)
+    assert out.num_scheduled_tokens.get(rid) == 40, "recomputed locally"
 
 
 @pytest.mark.parametrize("n", [2, 63, 64, 65, 200])
