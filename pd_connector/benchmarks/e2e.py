@@ -64,13 +64,12 @@ class Deployment:
 
     def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
                  placement: list[tuple[str, dict[str, str]]]):
-        from pd_connector.testing.servers import VllmServer, free_port
+        from pd_connector.testing.servers import VllmServer, free_port, source_checkout_env
         from pd_connector.testing.stack import kv_transfer_config
 
         self.system = system
         self.log_dir = log_dir
-        src = str(Path(__file__).resolve().parents[2])
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        env = source_checkout_env()
         servers = {}
         for role, (bind, bind_env) in zip(("prefill", "decode"), placement):
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
@@ -220,10 +219,14 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
             d.start_proxy()
         started = time.monotonic() - t0
         print(f"[{kind}] 4 servers and 2 proxies up in {started:.0f} s (logs {log_dir})", flush=True)
-        # Warm-up, not recorded: handshakes (NIXL agents, side channels), first-use paths.
+        # Warm-up, not timed: handshakes (NIXL agents, side channels), first-use paths. A failure
+        # here is kept in the JSON (e.g. NixlConnector's first handshake timing out on a loaded
+        # box fails that request under its kv_load_failure_policy=fail) and the request is sent
+        # once more, as in the measured rounds.
+        warmup_errors: list[dict] = []
         for i, n in enumerate((max(args.lengths), min(args.lengths))):
             for s in SYSTEMS:
-                stream_completion(deps[s].proxy_url, random_prompt(n, seed=10_000 + i), args.max_tokens)
+                send(deps[s].proxy_url, random_prompt(n, seed=10_000 + i), args.max_tokens, warmup_errors, s)
         before = {s: snapshot(deps[s]) for s in SYSTEMS}
         records: list[dict] = []
         errors: list[dict] = []
@@ -256,6 +259,7 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
         "records": records,
         "handoff": {s: handoff_figures(before[s], after[s], s) for s in SYSTEMS},
         "errors": errors,
+        "warmup_errors": warmup_errors,
         "metrics_before": before,
         "metrics_after": after,
     }

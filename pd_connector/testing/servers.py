@@ -35,7 +35,14 @@ from typing import Iterable, Mapping, Sequence
 from pd_connector.testing.process_groups import group_alive, group_members, signal_group
 from pd_connector.testing.prometheus import read_metric, read_metric_labels
 
-__all__ = ["ServerError", "VllmServer", "free_port", "start_many"]
+__all__ = ["ServerError", "VllmServer", "free_port", "source_checkout_env", "start_many"]
+
+
+def source_checkout_env() -> dict[str, str]:
+    """``PYTHONPATH`` for a server process that must import this checkout's ``pd_connector``
+    (``kv_connector_module_path``) without an install; harmless when it is installed."""
+    src = str(Path(__file__).resolve().parents[2])
+    return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
 
 
 # Local servers only: never route through an HTTP(S)_PROXY from the environment.

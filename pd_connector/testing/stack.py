@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from pd_connector.protocol import PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, complete
 from pd_connector.testing.placement import cpu_binds
-from pd_connector.testing.servers import VllmServer, free_port, start_many
+from pd_connector.testing.servers import VllmServer, free_port, source_checkout_env, start_many
 
 
 def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:
@@ -73,9 +73,7 @@ class PDStack:
             max_model_len=config.max_model_len,
             dtype=config.dtype,
         )
-        # PYTHONPATH lets a source checkout serve without installing (installed: harmless).
-        src = str(Path(__file__).resolve().parents[2])
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+        env = source_checkout_env()
         # All of them run at once (start_many, then for the whole stack's life): on CPU, one core
         # each while there are enough, else all unpinned (placement.cpu_binds); "auto" elsewhere.
         roles = (["baseline"] if config.with_baseline else []) + ["prefill", "decode"]
