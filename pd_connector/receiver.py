@@ -175,7 +175,9 @@ class Receiver:
                 self._fail(request_id, f"handshake failed: {self._peer_errors[key]}", "handshake")
             elif self.transport.has_peer(key):
                 del self._waiting[request_id]
-                self._claims[request_id] = (task, self._submit(self._claim, task), time.monotonic())
+                # Stamped before submitting: the claim may be answered before submit returns.
+                sent = time.monotonic()
+                self._claims[request_id] = (task, self._submit(self._claim, task), sent)
         if self._peer_errors and not self._waiting and not self._handshakes:
             # A later request retries a peer that failed (it may have restarted).
             self._peer_errors.clear()

@@ -235,7 +235,11 @@ def _req_socket(host: str, port: int) -> zmq.Socket:
     sock.setsockopt(zmq.MAXMSGSIZE, _SOCKET_LIMIT)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
-    sock.connect(_endpoint(host, port))
+    try:
+        sock.connect(_endpoint(host, port))
+    except zmq.ZMQError as exc:  # a malformed address (names resolve later, in the background)
+        sock.close()
+        raise SideChannelError(f"cannot connect to {host}:{port}: {exc.strerror}") from None
     return sock
 
 
@@ -298,12 +302,12 @@ class Client:
     def _check_in(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
         evicted: list[zmq.Socket] = []
         with self._lock:
-            idle = self._idle.setdefault(peer, [])
-            self._idle.move_to_end(peer)
-            if self._closed or len(idle) >= self._max_idle:
+            idle = None if self._closed else self._idle.setdefault(peer, [])
+            if idle is None or len(idle) >= self._max_idle:
                 evicted.append(sock)
             else:
                 idle.append(sock)
+                self._idle.move_to_end(peer)
             while len(self._idle) > self._max_peers:
                 evicted.extend(self._idle.popitem(last=False)[1])
         for old in evicted:

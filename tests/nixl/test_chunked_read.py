@@ -6,6 +6,7 @@ and the Receiver posts at most one slice per ``advance()`` over DRAM. Real NIXL,
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -138,9 +139,14 @@ COMPAT = EngineCompat(
 )
 
 
-def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines, free_port):
+@pytest.mark.parametrize("answered", ["in_background", "before_submit_returns"])
+def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines, free_port, answered):
     """Two requests of several slices each: each Receiver.advance() posts at most one slice in
-    total, both finish with the right bytes, and P gets exactly one notification each."""
+    total, both finish with the right bytes, and P gets exactly one notification each.
+
+    ``before_submit_returns``: side-channel calls run inline, as a fast P on an idle thread can
+    answer before ``submit`` returns: the claim and transfer times must still be measured from
+    the moment the claim was sent (a claim stamped after submit once timed negative in CI)."""
     p, d = engines("layer_major_dense")
     d.transport.remove_peer("p")
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
@@ -159,6 +165,14 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
     settings = ConnectorSettings(nixl_read_chunk_mib=0)
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     receiver._chunk_bytes = 8192
+    if answered == "before_submit_returns":
+
+        def run_inline(fn, task):
+            future = Future()
+            future.set_result(fn(task))
+            return future
+
+        receiver._submit = run_inline
     try:
         reqs = {
             "r1": [[(1, 3), (7, 9), (4, 5)], [(3, 11)]],

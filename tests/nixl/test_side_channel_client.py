@@ -151,3 +151,18 @@ def test_client_reaches_a_restarted_server_on_the_same_port(free_port):
     finally:
         again.close()
         client.close()
+
+
+def test_malformed_peer_address_is_a_side_channel_error():
+    """A host libzmq cannot parse fails the call like any unreachable P (the caller fails that
+    request and recomputes), not with a raw ZMQError that release/extend would not catch."""
+    client = Client()
+    with pytest.raises(SideChannelError, match="cannot connect to bad host!:5555"):
+        client.call("bad host!", 5555, Release(request_ids=["x"]), 0.3)
+    assert client.idle_sockets() == 0
+    client.close()
+
+
+def test_one_shot_call_to_a_malformed_address_is_a_side_channel_error():
+    with pytest.raises(SideChannelError, match="cannot connect"):
+        side_channel.call("bad host!", 5555, Release(request_ids=["x"]), 0.3)
