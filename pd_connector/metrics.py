@@ -38,6 +38,11 @@ HISTOGRAMS = {
         "transfer_seconds after P granted the claim).",
         [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
     ),
+    "claim_held_seconds": (
+        "On P: how long a claim that arrived before its lease was held until the lease landed "
+        "(or D's wait ran out).",
+        [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+    ),
     "transfer_bytes": (
         "Bytes moved per request (attention KV plus recurrent state).",
         [2 ** (10 + i) for i in range(0, 25, 2)],

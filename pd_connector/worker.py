@@ -170,15 +170,30 @@ class WorkerHalf:
         # Park the claim (the side-channel thread keeps serving every peer) and answer when
         # start_load_kv grants the lease (it kicks the server), or Pending when D's wait runs
         # out (D then asks again for up to claim_wait_seconds).
+        parked = time.monotonic()
+
         def answer_once_known() -> Message | None:
             answer = self._claim_reply(claim)
-            return None if isinstance(answer, Pending) else answer
+            if isinstance(answer, Pending):
+                return None
+            self._observe_held(parked)
+            return answer
+
+        def timed_out() -> Message:
+            self._observe_held(parked)
+            return reply
 
         return side_channel.Deferred(
             poll=answer_once_known,
-            deadline=time.monotonic() + min(claim.wait_ms, MAX_CLAIM_PARK_MS) / 1000,
-            on_timeout=lambda: reply,
+            deadline=parked + min(claim.wait_ms, MAX_CLAIM_PARK_MS) / 1000,
+            on_timeout=timed_out,
         )
+
+    def _observe_held(self, parked: float) -> None:
+        """vllm:pd_claim_held_seconds: how long P held a claim that overtook its lease (the
+        lease travels with P's next engine step); long holds mean P's steps come late."""
+        with self._lease_lock:
+            self.recorder.observe("claim_held_seconds", time.monotonic() - parked)
 
     def _claim_reply(self, claim: Claim) -> Message:
         """Granted, Reject, or Pending while P does not know the lease yet."""

@@ -181,7 +181,7 @@ SERIES = {
         "vllm:pd_read_seconds",
         "vllm:nixl_xfer_time_seconds",
     ],
-    "prefill": ["vllm:e2e_request_latency_seconds"],
+    "prefill": ["vllm:e2e_request_latency_seconds", "vllm:pd_claim_held_seconds"],
 }
 
 

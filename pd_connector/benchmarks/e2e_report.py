@@ -35,10 +35,18 @@ def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float |
         "read_ms": _ms(mean_delta(before, after, f"decode:{read_key}")),
         # NixlConnector has no claim: its D reads what the params name, unconfirmed.
         "claim_ms": _ms(mean_delta(before, after, "decode:vllm:pd_claim_seconds")) if system == "pd" else None,
+        # Of which P held claims that overtook their lease (mean over the held ones only).
+        "p_held_ms": _ms(mean_delta(before, after, "prefill:vllm:pd_claim_held_seconds")) if system == "pd" else None,
+        "p_held_count": _count_delta(before, after, "prefill:vllm:pd_claim_held_seconds"),
         "d_queue_ms": _ms(mean_delta(before, after, "decode:vllm:request_queue_time_seconds")),
         "d_prefill_ms": _ms(mean_delta(before, after, "decode:vllm:request_prefill_time_seconds")),
         "p_e2e_ms": _ms(mean_delta(before, after, "prefill:vllm:e2e_request_latency_seconds")),
     }
+
+
+def _count_delta(before: dict, after: dict, key: str) -> float | None:
+    c0, c1 = before.get(f"{key}_count"), after.get(f"{key}_count")
+    return None if c0 is None or c1 is None else c1 - c0
 
 
 def _ms(x: float | None) -> float | None:
@@ -91,8 +99,8 @@ def latency_table(rows: list[dict]) -> str:
 
 
 def handoff_table(runs: list[dict]) -> str:
-    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "claim ms", "READ ms", "D TTFT ms",
-               "D ITL ms", "D queue ms", "P e2e ms"]
+    headers = ["model", "connector", "handoff overhead ms", "transfer ms", "claim ms", "P held (n) ms", "READ ms",
+               "D TTFT ms", "D ITL ms", "D queue ms", "P e2e ms"]
 
     def f(x):
         return "-" if x is None else f"{x:.1f}"
@@ -102,6 +110,7 @@ def handoff_table(runs: list[dict]) -> str:
         for s in SYSTEMS:
             h = run["handoff"][s]
             body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h.get("claim_ms")),
+                         "-" if h.get("p_held_ms") is None else f"{h['p_held_ms']:.1f} ({h['p_held_count']:.0f})",
                          f(h.get("read_ms")),
                          f(h["d_ttft_ms"]),
                          f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip

@@ -201,6 +201,7 @@ def test_metrics_are_exported_next_to_vllms(stack):
     stack.handoff(prompt, 2)
     d, p = stack.decode, stack.prefill
     assert d.metric("vllm:pd_transfer_seconds_count") >= 1
+    assert d.metric("vllm:pd_claim_seconds_count") >= 1 and d.metric("vllm:pd_read_seconds_count") >= 1
     assert d.metric("vllm:pd_transfer_bytes_sum") > 0
     assert d.metric("vllm:pd_descriptors_count") >= 1
     assert d.metric("vllm:pd_recompute_tokens_count") >= 1

@@ -63,6 +63,9 @@ def test_claim_that_overtook_its_lease_is_granted_when_the_lease_lands(served, f
     grant(served, "r1")
     caller.join(10)
     assert isinstance(out.get("r"), Granted)
+    # vllm:pd_claim_held_seconds: P held it from arrival until the grant (>= the 0.3 s above).
+    (held,) = served.recorder.interval.data["claim_held_seconds"]
+    assert 0.3 <= held < 10
 
 
 def test_claim_without_wait_is_answered_pending_at_once_as_before(served, free_port):
@@ -75,6 +78,8 @@ def test_claim_without_wait_is_answered_pending_at_once_as_before(served, free_p
 def test_parked_claim_runs_out_as_pending_and_a_mismatch_is_still_refused(served, free_port):
     reply = side_channel.call(HOST, free_port, claim("r3", 200), 5)
     assert isinstance(reply, Pending) and "no lease for request r3" in reply.reason
+    (held,) = served.recorder.interval.data["claim_held_seconds"]  # the hold that ran out counts too
+    assert held >= 0.19
     grant(served, "r3", offset=31)
     reply = side_channel.call(HOST, free_port, claim("r3", 200, offset=30), 5)
     assert isinstance(reply, Reject) and "does not match the lease" in reply.reason
