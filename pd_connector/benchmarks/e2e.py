@@ -9,7 +9,9 @@ model, flags and placement on both (``testing.placement.cpu_binds`` for the four
 one OpenMP thread each, on a 2-core box; vLLM's NixlConnector pins its own worker thread).
 Every prompt (a new one per round and length, so no prefix cache ever hits) goes to both
 deployments, one request at a time, alternating which goes first (A B, B A, ...) so drift on
-the shared box hits both alike.
+the shared box hits both alike. With ``--isolate`` (the default) the deployment not serving is
+stopped (SIGSTOP on its process groups) for the request, so neither system's idle spinning or
+trouble (a NixlConnector handshake retrying for seconds) lands in the other's figures.
 
 Per request, measured by this client through the proxy (streaming ``/v1/completions``):
   TTFT   send -> first streamed chunk carrying a generated token
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +53,7 @@ from pd_connector.benchmarks.e2e_report import (
     summarize,
 )
 from pd_connector.testing.placement import cpu_binds
+from pd_connector.testing.process_groups import signal_group
 
 # Local servers only: never route through an HTTP(S)_PROXY from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -116,7 +120,24 @@ class Deployment:
                 time.sleep(0.2)
         raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
 
+    def _groups(self) -> list[int]:
+        # Each server and the proxy run in their own session: group id == the PID started.
+        pids = [self.prefill.pid, self.decode.pid, self.proxy.pid if self.proxy is not None else None]
+        return [pid for pid in pids if pid is not None]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of this deployment (--isolate): while the other system serves
+        a request, nothing of this one (engine loops, post-step spin, NIXL/UCX threads, a
+        handshake retrying) competes for the two cores."""
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()  # a stopped process would hold its SIGTERM until SIGCONT
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()  # by PID: the process we started
             try:
@@ -186,7 +207,7 @@ SERIES = {
 
 
 def snapshot(dep: Deployment) -> dict[str, float | None]:
-    from pd_connector.testing.prometheus import parse_metric
+    from pd_connector.testing.prometheus import parse_metric, parse_metric_labels
 
     out: dict[str, float | None] = {}
     for role, names in SERIES.items():
@@ -196,6 +217,11 @@ def snapshot(dep: Deployment) -> dict[str, float | None]:
         for name in names:
             for part in ("sum", "count"):
                 out[f"{role}:{name}_{part}"] = parse_metric(text, f"{name}_{part}")
+            # Cumulative bucket counts too (the JSON only): a mean cannot tell one slow
+            # request from many.
+            for labels in parse_metric_labels(text, f"{name}_bucket"):
+                le = labels.get("le")
+                out[f"{role}:{name}_bucket:{le}"] = parse_metric(text, f"{name}_bucket", {"le": le})
     return out
 
 
@@ -236,6 +262,9 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
                 order = SYSTEMS if (rnd + i) % 2 == 0 else SYSTEMS[::-1]
                 outs = {}
                 for s in order:
+                    if args.isolate:
+                        for other in SYSTEMS:
+                            (deps[other].resume if other == s else deps[other].pause)()
                     # vLLM CPU workers spin (sched_yield) for ~1 s after their last step
                     # (shm_broadcast.py SpinCondition): let the other deployment's go quiet first,
                     # so each request runs on a box the other system is not still burning.
@@ -249,6 +278,8 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
                 for s in SYSTEMS
             )
             print(f"[{kind}] round {rnd + 1}/{args.rounds}: median TTFT {line}", flush=True)
+        for d in deps.values():
+            d.resume()
         after = {s: snapshot(deps[s]) for s in SYSTEMS}
     finally:
         for d in deps.values():
@@ -276,6 +307,10 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, help="prompts per length, each sent to both deployments (default 8)")
     ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; --quick 8)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                    help="SIGSTOP the other deployment while one serves a request (default on: on a "
+                         "small box each system's idle processes and failures otherwise slow the other's "
+                         "requests; --no-isolate runs both side by side)")
     ap.add_argument("--gap-s", type=float, default=1.5,
                     help="pause before each request (default 1.5: past vLLM CPU's 1 s post-step spin)")
     ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))

@@ -63,9 +63,10 @@ def test_claim_that_overtook_its_lease_is_granted_when_the_lease_lands(served, f
     grant(served, "r1")
     caller.join(10)
     assert isinstance(out.get("r"), Granted)
-    # vllm:pd_claim_held_seconds: P held it from arrival until the grant (>= the 0.3 s above).
+    # vllm:pd_claim_held_seconds: P held it from its arrival (a little after the caller
+    # started) until the grant (after the 0.3 s above).
     (held,) = served.recorder.interval.data["claim_held_seconds"]
-    assert 0.3 <= held < 10
+    assert 0.2 < held < 10
 
 
 def test_claim_without_wait_is_answered_pending_at_once_as_before(served, free_port):
