@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== {title} ==\nmedian / p90 over the measured requests (warm-up excluded); ratio = pd median / nixl median\n")
     print(lat)
     print("\nhandoff, from the servers' metrics (means): overhead = D TTFT - D inter-token latency (P done -> D's first")
-    print("token, less D's one-token recompute); transfer = the connector's own READ time\n")
+    print("token, less D's one-token recompute); transfer = the connector's own figure (pd_connector: claim ->")
+    print("READ done; NixlConnector: its READ); claim = D's claim round trip; P held = claims P held for their")
+    print("lease (count); READ = the READ alone\n")
     print(hand)
     for run in runs:
         if run["errors"]:

@@ -44,6 +44,13 @@ def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float |
     }
 
 
+def _held(h: dict) -> str:
+    n = h.get("p_held_count")
+    if not n:
+        return "-" if n is None else "none"  # None: the series is not there (NixlConnector)
+    return f"{h['p_held_ms']:.1f} ({n:.0f})"
+
+
 def _count_delta(before: dict, after: dict, key: str) -> float | None:
     c0, c1 = before.get(f"{key}_count"), after.get(f"{key}_count")
     return None if c0 is None or c1 is None else c1 - c0
@@ -110,7 +117,7 @@ def handoff_table(runs: list[dict]) -> str:
         for s in SYSTEMS:
             h = run["handoff"][s]
             body.append([run["model"], LABEL[s], f(h["handoff_overhead_ms"]), f(h["transfer_ms"]), f(h.get("claim_ms")),
-                         "-" if h.get("p_held_ms") is None else f"{h['p_held_ms']:.1f} ({h['p_held_count']:.0f})",
+                         _held(h),
                          f(h.get("read_ms")),
                          f(h["d_ttft_ms"]),
                          f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip
