@@ -47,6 +47,8 @@ logger = logging.getLogger("vllm.pd_connector")
 MiB = 1 << 20
 # Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms).
 CLAIM_PARK_S = 1.0
+# Threads making side-channel calls (handshakes, claims, releases, extensions).
+_SIDE_CHANNEL_THREADS = 4
 
 
 @dataclass
@@ -89,8 +91,9 @@ class Receiver:
             self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
         # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
         # waits for its grant does not hold up the others.
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-side-channel")
-        self._client = side_channel.Client(max_idle_per_peer=4)
+        self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
+        # At most one socket in use per thread: keep that many open per P, no more.
+        self._client = side_channel.Client(max_idle_per_peer=_SIDE_CHANNEL_THREADS)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
