@@ -285,6 +285,27 @@ def count_runs(local_idx: np.ndarray, remote_idx: np.ndarray, local: DescriptorR
     return int((merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)).sum()) + 1
 
 
+def merged_ranges(
+    local_idx: np.ndarray, remote_idx: np.ndarray, local: DescriptorRows, remote: DescriptorRows
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local address, remote address, bytes) of each run ``count_runs`` counts: the byte ranges
+    NIXL moves after its merge. Not on the request path (the transfer benchmark copies exactly
+    these ranges with the kernel's own call to show what is left above it)."""
+    if local_idx.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    starts = np.flatnonzero(np.concatenate(([True], merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote))))
+
+    def addresses(idx: np.ndarray, rows: DescriptorRows) -> np.ndarray:
+        row = rows.row_of(idx)
+        base = np.array([r.addr for r in rows.rows], dtype=np.int64)[row]
+        stride = np.array([r.block_stride for r in rows.rows], dtype=np.int64)[row]
+        return base + (idx - rows.offsets[row]) * stride
+
+    nbytes = np.add.reduceat(local.nbytes_of(local_idx).astype(np.int64), starts)
+    return addresses(local_idx[starts], local), addresses(remote_idx[starts], remote), nbytes
+
+
 def chunk_bounds(nbytes: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
     """Split descriptors (with these byte sizes, in order) into consecutive slices of at most
     ``max_bytes`` each (a single larger descriptor is a slice of its own); ``max_bytes <= 0``:

@@ -222,6 +222,11 @@ class NixlTransport:
         peer = self._peers[key]
         return layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows)
 
+    def merged_ranges(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray):
+        """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
+        peer = self._peers[key]
+        return layout.merged_ranges(local_idx, remote_idx, peer.local_rows, peer.rows)
+
     def descriptor_bytes(self, key: str, local_idx: np.ndarray) -> np.ndarray:
         return self._peers[key].local_rows.nbytes_of(local_idx)
 

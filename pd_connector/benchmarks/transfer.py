@@ -1,4 +1,5 @@
-"""Transfer benchmark: the connector's READ path vs raw NIXL (one descriptor) vs memcpy.
+"""Transfer benchmark: the connector's READ path vs raw NIXL (one descriptor) vs memcpy, and
+over DRAM the kernel's own copy (``process_vm_readv``) of the connector's runs vs of one range.
 
 Per case, all paths run in the same process, interleaved rep by rep (load on the box hits every
 path alike): ``--warmup`` untimed reps, then ``--reps`` timed ones; figures are medians, and the
@@ -8,7 +9,9 @@ P's after an untimed first READ. Paths: see ``transfer_paths``; shapes: ``transf
 
 Sections (``--sections``):
   main    models x prompt lengths x block sizes x {scattered, contiguous} block ids,
-          vLLM's default layer-outer layout (LBHNC on CPU, LBNHC on CUDA: same placement).
+          vLLM's default layer-outer layout (LBHNC on CPU, LBNHC on CUDA: same placement);
+          block sizes as vLLM builds them on the device (attention: multiples of its smallest
+          kernel block, CPU 32, CUDA 16; hybrids raised and aligned as vLLM does).
   layout  block-outer layout (BLHNC): packed spans (what the connector does) vs per-layer rows.
   stall   the longest time one call into NIXL holds D's engine thread: sliced vs one READ.
   knobs   NIXL/UCX settings (progress delay, worker threads, UCX_TLS), each on a fresh agent pair.
@@ -37,7 +40,7 @@ from pd_connector import layout
 from pd_connector.benchmarks import report
 from pd_connector.benchmarks import transfer_paths as paths
 from pd_connector.benchmarks.transfer_report import Result, fmt_tokens, print_results, progress, summary_table
-from pd_connector.benchmarks.transfer_shapes import MODELS, MiB, build_side, check_vllm_placement, choose_blocks, geometry
+from pd_connector.benchmarks.transfer_shapes import KERNEL_BLOCK, MODELS, MiB, build_side, check_vllm_placement, choose_blocks, geometry
 from pd_connector.config import ConnectorSettings
 from pd_connector.transport import NixlTransport
 
@@ -69,7 +72,9 @@ class Bench:
         self.num_threads = args.num_threads if num_threads is None else num_threads
         self.delay_us = progress_delay(args, self.mem_type) if delay_us is None else delay_us
         self.chunk = args.chunk_mib * MiB if self.mem_type == "DRAM" else 0  # as receiver.py
+        self.kernel_block = KERNEL_BLOCK[self.device.type]
         self.rng = np.random.default_rng(args.seed)
+        self.cma: dict[str, paths.CmaRead] = {}
         self._n = 0
         with _Env(env or {}):
             self.p_t, self.d_t = (
@@ -87,7 +92,7 @@ class Bench:
         return f"bench-{self._n}".encode()
 
     def sides(self, model, tokens, user_block, scattered, block_outer, budget):
-        geom = geometry(MODELS[model], user_block, tokens, budget)
+        geom = geometry(MODELS[model], user_block, tokens, budget, self.kernel_block)
         n_attn = math.ceil(tokens / geom.block_size)
         counts = [n_attn if kind == "attention" else 1 for kind, _ in geom.groups]
         num_blocks = int(sum(counts) * self.args.pool_factor) + 2  # + the null block and a spare
@@ -127,6 +132,11 @@ class Bench:
             self.once("connector", pairs, p_side, d_side, nbytes, None)  # untimed, then checked
             res.verified = verify(p_side, d_side, pairs, geom.page_bytes)
             raw = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
+            if "cma_runs" in variants:
+                self.cma = {
+                    "cma_runs": paths.CmaRead(*self.d_t.merged_ranges(KEY, li, ri)),
+                    "cma_one": paths.CmaRead(np.array([d_side.base]), np.array([p_side.base]), np.array([nbytes])),
+                }
             stages: dict[str, list[dict]] = {v: [] for v in variants}
             for rep in range(args.warmup + args.reps):
                 for v in variants:
@@ -140,6 +150,7 @@ class Bench:
             }
             return res
         finally:
+            self.cma = {}
             if raw is not None:
                 raw.close()
             self.d_t.close()
@@ -148,6 +159,8 @@ class Bench:
     def once(self, variant, pairs, p_side, d_side, nbytes, raw) -> dict:
         if variant == "memcpy":
             return paths.memcpy_once(p_side.buf, d_side.buf, nbytes, self.device)
+        if variant in self.cma:
+            return self.cma[variant].once()
         if variant == "raw":
             st = raw.once(self.notif())
         elif variant == "connector":
@@ -199,8 +212,11 @@ def run_section(args, name, cases, variants=("connector", "raw", "memcpy"), **be
     return out
 
 
-STALL_CASES = [("llama-8b", 16384, 16, True), ("llama-8b", 16384, 16, False), ("nemotron-h", 16384, 16, True)]
-KNOB_CASES = [("llama-8b", 4096, 16, True), ("llama-8b", 4096, 16, False), ("nemotron-h", 4096, 16, True)]
+def small_block_cases(args, tokens: int) -> list[tuple[str, int, int, bool]]:
+    """Llama-like scattered and contiguous, Nemotron-H-like scattered, at the smallest block vLLM
+    builds for attention on this device (most descriptors per byte)."""
+    b = KERNEL_BLOCK[args.device]
+    return [("llama-8b", tokens, b, True), ("llama-8b", tokens, b, False), ("nemotron-h", tokens, b, True)]
 
 
 def knob_settings(quick: bool) -> list[tuple[str, int, dict, int | None]]:
@@ -217,7 +233,7 @@ def section_knobs(args) -> list[dict]:
     rows = []
     for name, threads, env, delay_us in knob_settings(args.quick):
         try:
-            res = run_section(args, "knobs", KNOB_CASES, ("connector", "raw"), num_threads=threads, env=env,
+            res = run_section(args, "knobs", small_block_cases(args, 4096), ("connector", "raw"), num_threads=threads, env=env,
                               delay_us=delay_us)
         except Exception as exc:  # a setting this machine's UCX cannot do
             rows.append({"setting": name, "error": f"{type(exc).__name__}: {exc}"[:160]})
@@ -233,10 +249,11 @@ def section_knobs(args) -> list[dict]:
 
 
 def section_first(args) -> dict:
-    """First-request cost on a case of the matrix (4k tokens, Nemotron-H-like, block 16)."""
+    """First-request cost on a case of the matrix (4k tokens, Nemotron-H-like, smallest block)."""
     bench = Bench(args)
     try:
-        geom, p_side, d_side, pairs, nbytes = bench.sides("nemotron-h", 4096, 16, True, False, args.budget_mib * MiB)
+        geom, p_side, d_side, pairs, nbytes = bench.sides("nemotron-h", 4096, bench.kernel_block, True, False,
+                                                          args.budget_mib * MiB)
     finally:
         bench.close()
     out = paths.first_request(p_side, d_side, pairs, bench.mem_type, bench.dev, bench.chunk, args.num_threads,
@@ -253,7 +270,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a few minutes on a 2-core box")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS))
     ap.add_argument("--tokens", nargs="+", type=int, help="prompt lengths (default 1k 4k 16k 32k)")
-    ap.add_argument("--blocks", nargs="+", type=int, help="user block sizes (default 16 64 128)")
+    ap.add_argument("--blocks", nargs="+", type=int, help="user block sizes (default: the smallest vLLM builds for attention on the device "
+                    "(CPU 32, CUDA 16), 64, 128; quick: smallest, 128)")
     ap.add_argument("--reps", type=int, help="timed repetitions, median kept (default 5; quick 3)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-mib", type=int, help="max bytes one request moves; layers are dropped "
@@ -273,7 +291,8 @@ def parse_args(argv=None):
     args.sections = args.sections or [s for s in sections if not (args.quick and s == "knobs")]
     args.models = args.models or list(MODELS)
     args.tokens = args.tokens or ([1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
-    args.blocks = args.blocks or ([16, 128] if args.quick else [16, 64, 128])
+    small = KERNEL_BLOCK[args.device]
+    args.blocks = args.blocks or ([small, 128] if args.quick else [small, 64, 128])
     args.reps = args.reps or (3 if args.quick else 5)
     args.budget_mib = args.budget_mib or (96 if args.quick else 256)
     return args
@@ -297,18 +316,23 @@ def main(argv=None) -> int:
         print(f"placement vs vLLM get_kv_cache_config_from_groups: {'match' if check['ok'] else check}")
     results: dict[str, list[Result]] = {}
     base = ("connector", "raw", "memcpy")
+    odd = [b for b in args.blocks if b % KERNEL_BLOCK[args.device]]
+    if odd:
+        print(f"note: vLLM 0.32 refuses attention at block sizes {odd} on {args.device} (kernel blocks are multiples "
+              f"of {KERNEL_BLOCK[args.device]}); measured anyway, hybrids are raised and aligned as vLLM does", flush=True)
     if "main" in args.sections:
         print("\n== main: layer-outer layout (vLLM's default); GB/s medians; desc = descriptors planned, "
               "runs = after NIXL's merge; c/raw, c/memcpy = connector throughput relative (median of "
               "per-rep ratios); stall = longest single call into NIXL (D's engine thread) ==", flush=True)
         cases = [(m, t, b, s) for m in args.models for b in args.blocks for t in args.tokens for s in (True, False)]
-        results["main"] = run_section(args, "main", cases, base)
-        data["tables"]["main"] = print_results(results["main"], base, "")
+        variants = base + (("cma_runs", "cma_one") if paths.cma_available(torch.device(args.device)) else ())
+        results["main"] = run_section(args, "main", cases, variants)
+        data["tables"]["main"] = print_results(results["main"], variants, "")
         data["tables"]["summary"] = summary_table(results["main"])
         print("\n== summary: connector / raw NIXL (median of per-rep ratios) ==\n" + data["tables"]["summary"], flush=True)
     if "layout" in args.sections:
         print("\n== layout: block-outer (BLHNC); connector = packed spans, unpacked = one row per layer ==", flush=True)
-        cases = [(m, 4096 if args.quick else t, 16, s, True) for m in args.models for t in (4096, 16384)[: 1 if args.quick else 2] for s in (True, False)]
+        cases = [(m, 4096 if args.quick else t, KERNEL_BLOCK[args.device], s, True) for m in args.models for t in (4096, 16384)[: 1 if args.quick else 2] for s in (True, False)]
         variants = ("connector", "unpacked", "raw", "memcpy")
         results["layout"] = run_section(args, "layout", cases, variants)
         data["tables"]["layout"] = print_results(results["layout"], variants, "",
@@ -316,7 +340,8 @@ def main(argv=None) -> int:
     if "stall" in args.sections:
         print(f"\n== stall: sliced READ ({args.chunk_mib} MiB slices; DRAM) vs one post per request ==", flush=True)
         variants = ("connector", "one_read", "raw")
-        results["stall"] = run_section(args, "stall", STALL_CASES[:2] if args.quick else STALL_CASES, variants)
+        stall_cases = small_block_cases(args, 16384)
+        results["stall"] = run_section(args, "stall", stall_cases[:2] if args.quick else stall_cases, variants)
         data["tables"]["stall"] = print_results(results["stall"], variants, "",
                                                 extra=[("1read_stall", "1-read stall ms", ".1f")])
     knob_rows: list[dict] = []

@@ -1,4 +1,4 @@
-"""The three ways the transfer benchmark moves one request's bytes, plus first-request cost.
+"""The ways the transfer benchmark moves one request's bytes, plus first-request cost.
 
   connector  exactly what ``pd_connector/receiver.py`` does per request: ``NixlTransport.plan``
              -> ``layout.chunk_bounds`` -> ``ChunkedRead`` (prepared lists, slices of
@@ -7,11 +7,18 @@
              (prepared once, like the connector's lists): make_prepped_xfer + transfer + poll.
   memcpy     ``torch`` ``copy_`` of the same number of bytes between the same two buffers
              (CPU: one torch thread, like UCX's single-copy cma; CUDA: device copy).
+  cma_runs   DRAM only, Linux: the kernel call UCX's cma transport makes for each descriptor
+             (``process_vm_readv``) on exactly the connector's merged runs, up to ``IOV_MAX``
+             runs per call, and nothing else: no NIXL, no UCX, no request per descriptor. The
+             most any transfer over cma can reach on those ranges.
+  cma_one    the same call on the same bytes as ONE range: raw NIXL's counterpart.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 
 import numpy as np
@@ -107,6 +114,52 @@ class RawNixl:
     def close(self) -> None:
         self.agent.release_dlist_handle(self.local)
         self.agent.release_dlist_handle(self.remote)
+
+
+# Linux UIO_MAXIOV: the most ranges one process_vm_readv call takes on either side.
+IOV_MAX = 1024
+
+
+def cma_available(device: torch.device) -> bool:
+    return device.type == "cpu" and sys.platform.startswith("linux")
+
+
+class CmaRead:
+    """``process_vm_readv`` of byte ranges (local address, remote address, bytes) from process
+    ``pid`` (default: this one, where the benchmark keeps both sides, as UCX then reads itself).
+
+    Over DRAM, UCX 1.x's cma transport pins and copies each descriptor with a call of its own
+    (one remote range per call). The kernel pins a remote range's pages separately for every
+    range (``process_vm_rw_core`` -> ``process_vm_rw_single_vec``, at most 1024 pages per pin), so
+    ranges of a few dozen pages pay a fixed cost each even when one call carries 1024 of them:
+    comparing this path on the connector's runs with the same bytes as one range measures what
+    no descriptor list, NIXL setting or UCX setting can remove."""
+
+    def __init__(self, local_addr: np.ndarray, remote_addr: np.ndarray, nbytes: np.ndarray, pid: int | None = None):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._call = libc.process_vm_readv
+        self._call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                               ctypes.c_ulong]
+        self._call.restype = ctypes.c_ssize_t
+        self.pid = os.getpid() if pid is None else pid
+        # struct iovec {void *iov_base; size_t iov_len;}: two 64-bit words per range.
+        self._local = np.stack([local_addr, nbytes], axis=1).astype(np.uint64)
+        self._remote = np.stack([remote_addr, nbytes], axis=1).astype(np.uint64)
+        self.nbytes = int(np.sum(nbytes))
+        self._calls = [
+            (self._local[s:].ctypes.data, self._remote[s:].ctypes.data, min(IOV_MAX, len(nbytes) - s),
+             int(np.sum(nbytes[s : s + IOV_MAX])))
+            for s in range(0, len(nbytes), IOV_MAX)
+        ]
+
+    def once(self) -> dict:
+        t0 = time.perf_counter()
+        for local, remote, count, want in self._calls:
+            got = self._call(self.pid, local, count, remote, count, 0)
+            if got != want:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process_vm_readv moved {got} of {want} bytes: {os.strerror(err)}")
+        return {"total": time.perf_counter() - t0, "calls": len(self._calls)}
 
 
 def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int, device: torch.device) -> dict:

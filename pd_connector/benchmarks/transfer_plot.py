@@ -1,6 +1,8 @@
 """PNG of the transfer benchmark: per model and block size, the connector's throughput relative
 to raw NIXL and to memcpy against prompt length (scattered solid, contiguous dashed; the dotted
-line is issue #5's 0.9 of raw NIXL), plus GB/s of the layout and stall sections."""
+line is issue #5's 0.9 of raw NIXL), and where measured (DRAM) the kernel's copy of the same
+runs relative to one range (grey: the ceiling of any transfer over cma), plus GB/s of the layout
+and stall sections."""
 
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ def plot(plt, results: dict, knob_rows) -> object | None:
                 if not sel:
                     continue
                 x = [r.tokens for r in sel]
-                for (num, den), marker, color in ((("connector", "raw"), "o", "C0"), (("connector", "memcpy"), "^", "C2")):
+                curves = [(("connector", "raw"), "o", "C0"), (("connector", "memcpy"), "^", "C2")]
+                if all("cma_runs" in r.samples for r in sel):
+                    curves.append((("cma_runs", "cma_one"), "x", "grey"))
+                for (num, den), marker, color in curves:
                     ax.plot(x, [r.ratio(num, den) for r in sel], marker + style, color=color, label=f"{num}/{den} {mode}")
             ax.axhline(TARGET_RATIO, color="grey", lw=0.8, ls=":")
             ax.set_ylim(0, 1.3)

@@ -62,6 +62,8 @@ def table_rows(results: list[Result], variants) -> list[dict]:
             row[v] = r.gbps(v)
         row["c/raw"] = r.ratio("connector", "raw")
         row["c/memcpy"] = r.ratio("connector", "memcpy")
+        row["cma runs/one"] = r.ratio("cma_runs", "cma_one") if "cma_runs" in r.samples else ""
+        row["c/cma runs"] = r.ratio("connector", "cma_runs") if "cma_runs" in r.samples else ""
         row["stall_ms"] = r.stages_ms.get("connector", {}).get("post", 0.0)
         row["ok"] = "y" if r.verified else "NO"
         rows.append(row)
@@ -71,6 +73,7 @@ def table_rows(results: list[Result], variants) -> list[dict]:
 def print_results(results, variants, title, extra=()) -> str:
     cols = ["model", "layers", "tok", "bs", "blocks", "MiB", "desc", "runs", *extra,
             *[(v, v, ".2f") for v in variants], ("c/raw", "c/raw", ".2f"), ("c/memcpy", "c/memcpy", ".2f"),
+            *([("cma runs/one", "cma runs/one", ".2f"), ("c/cma runs", "c/cma runs", ".2f")] if "cma_runs" in variants else []),
             ("stall_ms", "stall ms", ".1f"), "ok"]
     rows = table_rows(results, variants)
     for r, res in zip(rows, results):
@@ -83,11 +86,17 @@ def print_results(results, variants, title, extra=()) -> str:
 def summary_table(results: list[Result], target: float = 0.9) -> str:
     """The main section at a glance: connector / raw NIXL per (model, block size, block ids)
     against prompt length, with the descriptors NIXL moved and GB/s at the longest length, and
-    whether every length >= 4k tokens reaches ``target`` (issue #5)."""
+    whether every length >= 4k tokens reaches ``target`` (issue #5). Where the kernel path ran
+    (DRAM): at the longest length, the kernel's own copy of the connector's runs relative to one
+    range of the same bytes (the ceiling of any transfer over cma for those ranges) and the
+    connector relative to that copy."""
     keys = list(dict.fromkeys((r.model, r.user_block, r.blocks) for r in results))
     lengths = sorted({r.tokens for r in results})
-    headers = ["model", "bs", "blocks", *[f"c/raw {fmt_tokens(t)}" for t in lengths],
-               f"runs {fmt_tokens(lengths[-1])}" if lengths else "runs", "conn/raw/memcpy GB/s", f">= {target} at >= 4k"]
+    cma = any("cma_runs" in r.samples for r in results)
+    longest = fmt_tokens(lengths[-1]) if lengths else ""
+    headers = ["model", "bs", "blocks", *[f"c/raw {fmt_tokens(t)}" for t in lengths], f"runs {longest}",
+               "conn/raw/memcpy GB/s", *([f"cma runs/one {longest}", f"c/cma runs {longest}"] if cma else []),
+               f">= {target} at >= 4k"]
     rows = []
     for model, ub, blocks in keys:
         by_len = {r.tokens: r for r in results if (r.model, r.user_block, r.blocks) == (model, ub, blocks)}
@@ -99,6 +108,8 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
             *[f"{by_len[t].ratio('connector', 'raw'):.2f}" if t in by_len else "" for t in lengths],
             last.runs,
             "/".join(f"{last.gbps(v):.1f}" for v in ("connector", "raw", "memcpy")),
+            *([f"{last.ratio('cma_runs', 'cma_one'):.2f}", f"{last.ratio('connector', 'cma_runs'):.2f}"]
+              if cma and "cma_runs" in last.samples else [""] * 2 if cma else []),
             ("yes" if min(round(x, 2) for x in long) >= target else "NO") if long else "",  # as shown
         ])
     return report.format_table(headers, rows)

@@ -127,6 +127,13 @@ class Geometry:
         return len(self.groups[0][1])
 
 
+# The smallest kernel block of vLLM 0.32's attention backend per device (``MultipleOf`` in
+# ``get_supported_kernel_block_sizes``): CPU_ATTN 32, FlashAttention 16. vLLM refuses an
+# attention block size that is not a multiple of it ("No common block size for 16 (CPU_ATTN:
+# [MultipleOf(32)])", ``select_common_block_size``), and aligns a hybrid's raised block to it.
+KERNEL_BLOCK = {"cpu": 32, "cuda": 16}
+
+
 def hybrid_block_size(m: ModelShape, user_block: int, kernel_min: int = 16) -> int:
     """``Platform._align_hybrid_block_size``: the smallest multiple of the kernel alignment
     (max(backend min kernel block, user block)) whose attention page holds the Mamba state."""
@@ -144,8 +151,8 @@ def vllm_group_size(n_attn: int, n_mamba: int) -> int:
     return hi if hi < 1.5 * lo else lo
 
 
-def geometry(m: ModelShape, user_block: int, tokens: int, budget: int) -> Geometry:
-    bs = hybrid_block_size(m, user_block)
+def geometry(m: ModelShape, user_block: int, tokens: int, budget: int, kernel_min: int = 16) -> Geometry:
+    bs = hybrid_block_size(m, user_block, kernel_min)
     page = bs * m.attn_bytes_per_token
     nblk = math.ceil(tokens / bs)
     gs_real = vllm_group_size(len(m.attn_ids), len(m.mamba_ids))

@@ -34,3 +34,17 @@ def test_the_verdict_follows_the_ratio_as_printed():
     """0.8996 prints as 0.90: the row must not say NO next to a 0.90 it shows."""
     by = rows(summary_table([result(4096, "scattered", 1.0 / 0.8996)]))
     assert by["scattered"][3] == "0.90" and by["scattered"][-1] == "yes"
+
+
+def test_the_kernel_columns_show_the_cma_ceiling_and_the_connector_against_it():
+    """With the kernel paths measured (DRAM), the summary shows, at the longest length, the
+    kernel's copy of the runs relative to one range, and the connector relative to that copy."""
+    r = result(4096, "scattered", 1.0 / 0.8)
+    r.samples.update({"cma_runs": [1.0 / 0.9] * 3, "cma_one": [1.0] * 3})  # kernel: 0.90 of one range
+    table = summary_table([r])
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    cells = dict(zip(header, rows(table)["scattered"]))
+    assert cells["cma runs/one 4k"] == "0.90"
+    assert cells["c/cma runs 4k"] == "0.89"  # 0.8 / 0.9
+    assert cells[">= 0.9 at >= 4k"] == "NO"
+    assert "cma runs/one 4k" not in summary_table([result(4096, "scattered", 1.0)])  # no kernel path: no column

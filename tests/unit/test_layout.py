@@ -16,6 +16,7 @@ from pd_connector.layout import (
     descriptor_indices,
     descriptor_rows,
     group_regions,
+    merged_ranges,
     packed_layer_order,
     plan_indices,
     region_offsets,
@@ -328,6 +329,10 @@ def test_packed_descriptors_copy_exactly_the_bytes_of_per_layer_ones(maps, data)
             )
             runs += not joined
         assert count_runs(li, ri, lr, rr) == runs
+        # The merged byte ranges: one per run, together the same byte-for-byte copy.
+        la, ra, nb = merged_ranges(li, ri, lr, rr)
+        assert la.size == ra.size == nb.size == runs
+        assert {int(a) + k: int(b) + k for a, b, n in zip(la, ra, nb) for k in range(int(n))} == per_layer
 
 
 def test_block_outer_contiguous_blocks_are_one_descriptor_per_group():
