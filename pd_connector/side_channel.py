@@ -41,11 +41,14 @@ logger = logging.getLogger("vllm.pd_connector")
 @dataclass
 class Deferred:
     """A reply not ready yet: ``poll()`` returns it, or None while it is not; at ``deadline``
-    (``time.monotonic()``) the server sends ``on_timeout()`` instead."""
+    (``time.monotonic()``) the server sends ``on_timeout()`` instead. A server that cannot park
+    it (``MAX_PARKED``) answers ``unparked`` at once, or ``on_timeout()`` when that is None: a
+    handler that measures how long a request was held must not see a hold that never was."""
 
     poll: Callable[[], Message | None]
     deadline: float
     on_timeout: Callable[[], Message]
+    unparked: Message | None = None
 
 
 Handler = Callable[[Message], "Message | Deferred"]
@@ -185,7 +188,7 @@ class SideChannelServer:
             if len(self._parked) < MAX_PARKED:
                 self._parked.append((identity, reply))
                 return
-            reply = _timeout_reply(reply)
+            reply = reply.unparked if reply.unparked is not None else _timeout_reply(reply)
         self._send(identity, reply)
 
     def _resolve_parked(self) -> None:

@@ -187,6 +187,7 @@ class WorkerHalf:
             poll=answer_once_known,
             deadline=parked + min(claim.wait_ms, MAX_CLAIM_PARK_MS) / 1000,
             on_timeout=timed_out,
+            unparked=reply,  # P is past MAX_PARKED: Pending now, D asks again; nothing was held
         )
 
     def _observe_held(self, parked: float) -> None:

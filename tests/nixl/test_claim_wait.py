@@ -84,3 +84,14 @@ def test_parked_claim_runs_out_as_pending_and_a_mismatch_is_still_refused(served
     grant(served, "r3", offset=31)
     reply = side_channel.call(HOST, free_port, claim("r3", 200, offset=30), 5)
     assert isinstance(reply, Reject) and "does not match the lease" in reply.reason
+
+
+def test_claim_beyond_max_parked_is_pending_at_once_and_records_no_hold(served, free_port, monkeypatch):
+    """P past MAX_PARKED (a flood) cannot hold the claim: Pending at once, D asks again, and
+    vllm:pd_claim_held_seconds gets no sample (it used to record a ~0 s hold that never was)."""
+    monkeypatch.setattr(side_channel, "MAX_PARKED", 0)
+    started = time.monotonic()
+    reply = side_channel.call(HOST, free_port, claim("r4", 30_000), 5)
+    assert isinstance(reply, Pending) and "no lease for request r4" in reply.reason
+    assert time.monotonic() - started < 5  # not held for the 30 s D offered
+    assert served.recorder.interval.data["claim_held_seconds"] == []

@@ -435,3 +435,20 @@ def test_kick_after_close_is_a_no_op(free_port, handler):
     srv.close()
     srv.kick()
     srv.close()  # idempotent enough for a second shutdown path
+
+
+def test_a_deferred_reply_that_cannot_be_parked_gets_its_unparked_answer_not_its_timeout(free_port, monkeypatch):
+    monkeypatch.setattr(side_channel, "MAX_PARKED", 0)
+    timeouts: list[int] = []
+    srv = SideChannelServer(
+        HOST,
+        free_port,
+        lambda m: side_channel.Deferred(poll=lambda: None, deadline=time.monotonic() + 30,
+                                        on_timeout=lambda: timeouts.append(1) or Reject(reason="held"),
+                                        unparked=Reject(reason="not held")),
+    )
+    try:
+        assert side_channel.call(HOST, free_port, Release(request_ids=["x"]), 2.0) == Reject(reason="not held")
+        assert timeouts == []
+    finally:
+        srv.close()
