@@ -16,6 +16,8 @@ Sections (``--sections``):
   stall   the longest time one call into NIXL holds D's engine thread: sliced vs one READ.
   knobs   NIXL/UCX settings (progress delay, worker threads, UCX_TLS), each on a fresh agent pair.
   first   first-request cost: agent creation, registration, add_peer, connect, first READ.
+  perdesc DRAM: what NIXL + UCX add per descriptor above the kernel's own copy (4096
+          descriptors of 64 B, 4 KiB, 64 KiB, one READ, vs process_vm_readv of the same ranges).
 
   pd-connector bench transfer --quick            (or: python scripts/bench_transfer.py --quick)
   pd-connector bench transfer --device cuda      (GPU machines: registers VRAM)
@@ -281,7 +283,7 @@ def parse_args(argv=None):
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM only; 0 = one post)")
-    sections = ["main", "layout", "stall", "knobs", "first"]
+    sections = ["main", "layout", "stall", "knobs", "first", "perdesc"]
     ap.add_argument("--sections", nargs="+", choices=sections,
                     help="default: all; --quick leaves out knobs (a fresh agent pair per setting)")
     ap.add_argument("--check-vllm", action="store_true",
@@ -357,6 +359,13 @@ def main(argv=None) -> int:
         data["tables"]["first"] = report.print_table(
             [{"step": k, "ms": v * 1e3} for k, v in first.items() if k not in ("nbytes", "metadata_bytes")],
             ["step", ("ms", "ms", ".2f")])
+    if "perdesc" in args.sections and paths.cma_available(torch.device(args.device)):
+        print("\n== per descriptor: one NIXL READ of 4096 unmergeable descriptors vs the kernel's copy of the same "
+              "ranges (µs per descriptor, medians) ==", flush=True)
+        data["per_descriptor"] = rows = paths.per_descriptor_cost((64, 4096, 65536), 4096, args.reps, progress_delay(args, "DRAM"))
+        data["tables"]["perdesc"] = report.print_table(
+            rows, ["bytes", "descriptors", ("nixl_us", "NIXL µs", ".2f"), ("kernel_us", "kernel µs", ".2f"),
+                   ("nixl_minus_kernel_us", "NIXL - kernel µs", ".2f")])
     data.update({k: [asdict(r) for r in v] for k, v in results.items()})
     data["knobs"] = knob_rows
     data["missing_notifications"] = sum(paths.MISSING_NOTIFS)

@@ -176,6 +176,53 @@ def memcpy_once(src: torch.Tensor, dst: torch.Tensor, nbytes: int, device: torch
         torch.set_num_threads(threads)
 
 
+def per_descriptor_cost(sizes: tuple[int, ...], count: int, reps: int, progress_delay_us: int) -> list[dict]:
+    """DRAM: ``count`` descriptors of each size in ``sizes`` (every other slot of a buffer, so
+    none merge), moved by ONE prepared NIXL READ and by ``CmaRead`` (the kernel call alone) on
+    the same ranges; medians in µs per descriptor. The difference is what NIXL and UCX add per
+    descriptor above the kernel, whatever its size: it bounds every list of small pages."""
+    p_t, d_t = (NixlTransport("DRAM", name=f"perdesc-{role}-{os.getpid()}", progress_delay_us=progress_delay_us)
+                for role in "PD")
+    p_agent, d_agent = p_t._agent, d_t._agent  # the benchmark reaches into the transport on purpose
+    out = []
+    try:
+        for size in sizes:
+            src = torch.ones(2 * count * size, dtype=torch.uint8)
+            dst = torch.zeros_like(src)
+            regs = [agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
+                    for agent, buf in ((p_agent, src), (d_agent, dst))]
+            peer = d_agent.add_remote_agent(p_agent.get_agent_metadata())  # with P's new registration
+            peer = peer.decode() if isinstance(peer, bytes) else peer
+            offsets = np.arange(count, dtype=np.int64) * 2 * size
+            local = d_agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr() + int(o), size, 0) for o in offsets], "DRAM")
+            remote = d_agent.prep_xfer_dlist(peer, [(src.data_ptr() + int(o), size, 0) for o in offsets], "DRAM")
+            idx = np.arange(count, dtype=np.int32)
+            kernel = CmaRead(dst.data_ptr() + offsets, src.data_ptr() + offsets, np.full(count, size, dtype=np.int64))
+            nixl_s, kernel_s = [], []
+            for _ in range(reps + 1):  # the first pair warms UCX's endpoint and registration cache
+                t0 = time.perf_counter()
+                handle = d_agent.make_prepped_xfer("READ", local, idx, remote, idx)
+                if d_agent.transfer(handle) == FAILED:
+                    raise RuntimeError("NIXL refused the READ")
+                wait_handle(d_agent.check_xfer_state, handle)
+                d_agent.release_xfer_handle(handle)
+                nixl_s.append(time.perf_counter() - t0)
+                kernel_s.append(kernel.once()["total"])
+            nixl_us = float(np.median(nixl_s[1:])) / count * 1e6
+            kernel_us = float(np.median(kernel_s[1:])) / count * 1e6
+            out.append({"bytes": size, "descriptors": count, "nixl_us": nixl_us, "kernel_us": kernel_us,
+                        "nixl_minus_kernel_us": nixl_us - kernel_us})
+            d_agent.release_dlist_handle(local)
+            d_agent.release_dlist_handle(remote)
+            d_agent.remove_remote_agent(peer)
+            p_agent.deregister_memory(regs[0])
+            d_agent.deregister_memory(regs[1])
+    finally:
+        d_t.close()
+        p_t.close()
+    return out
+
+
 def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: int, num_threads: int,
                   progress_delay_us: int) -> dict:
     """Cold-start cost of one P/D pair, step by step, then the same READ warm (seconds).

@@ -36,3 +36,15 @@ def test_bench_transfer_notes_a_block_size_vllm_cpu_refuses(tmp_path, capsys):
     assert "vLLM 0.32 refuses attention at block sizes [16] on cpu" in capsys.readouterr().out
     # A hybrid at user block 16 is raised as vLLM CPU does: aligned to 32, not 16 (544, not 528).
     assert {c["block_size"] for c in json.loads((tmp_path / "bench_transfer.json").read_text())["main"]} == {544}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel path is Linux-only")
+def test_bench_transfer_per_descriptor_section_reports_nixl_and_the_kernel_on_the_same_ranges(tmp_path):
+    from pd_connector.benchmarks import transfer
+
+    assert transfer.main(["--sections", "perdesc", "--reps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_transfer.json").read_text())["per_descriptor"]
+    assert [r["bytes"] for r in rows] == [64, 4096, 65536]
+    for r in rows:
+        assert r["descriptors"] == 4096 and r["nixl_us"] > 0 and r["kernel_us"] > 0
+        assert r["nixl_minus_kernel_us"] == pytest.approx(r["nixl_us"] - r["kernel_us"])
