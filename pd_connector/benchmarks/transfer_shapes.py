@@ -273,7 +273,9 @@ def choose_blocks(rng, num_blocks: int, counts: list[int], scattered: bool, star
 
 
 def child_check_vllm() -> None:
-    """Cross-check ``placement`` and the hybrid block size against vLLM's own functions."""
+    """Cross-check ``placement`` (and each spec's page size) against vLLM's own
+    ``get_kv_cache_config_from_groups``. The hybrid block size itself (``hybrid_block_size``) is
+    not compared with ``Platform._align_hybrid_block_size`` here: that needs a full VllmConfig."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 
