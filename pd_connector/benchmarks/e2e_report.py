@@ -15,10 +15,10 @@ LABEL = {"pd": "pd_connector", "nixl": "NixlConnector"}
 
 def mean_delta(before: dict, after: dict, key: str) -> float | None:
     s0, s1 = before.get(f"{key}_sum"), after.get(f"{key}_sum")
-    c0, c1 = before.get(f"{key}_count"), after.get(f"{key}_count")
-    if None in (s0, s1, c0, c1) or c1 - c0 <= 0:
+    n = _count_delta(before, after, key)
+    if s0 is None or s1 is None or n is None or n <= 0:
         return None
-    return (s1 - s0) / (c1 - c0)
+    return (s1 - s0) / n
 
 
 def handoff_figures(before: dict, after: dict, system: str) -> dict[str, float | None]:

@@ -91,6 +91,19 @@ def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, ke
     return {"total": t2 - t0, "plan": t1 - t0, "post": longest, "slices": xfer.slices}
 
 
+def prepped_read(agent, local, remote, idx: np.ndarray, notif: bytes = b"") -> dict:
+    """One READ of descriptors ``idx`` of two prepared lists, posted and polled to DONE (seconds:
+    ``total``, and ``post`` for the call that posts it)."""
+    t0 = time.perf_counter()
+    handle = agent.make_prepped_xfer("READ", local, idx, remote, idx, notif_msg=notif)
+    if agent.transfer(handle) == FAILED:
+        raise RuntimeError("NIXL refused the READ")
+    t1 = time.perf_counter()
+    wait_handle(agent.check_xfer_state, handle)
+    agent.release_xfer_handle(handle)
+    return {"total": time.perf_counter() - t0, "post": t1 - t0}
+
+
 class RawNixl:
     """The same bytes as ONE prepared descriptor, on the connector's own agents."""
 
@@ -102,14 +115,7 @@ class RawNixl:
         self.idx = np.zeros(1, dtype=np.int32)
 
     def once(self, notif: bytes) -> dict:
-        t0 = time.perf_counter()
-        h = self.agent.make_prepped_xfer("READ", self.local, self.idx, self.remote, self.idx, notif_msg=notif)
-        if self.agent.transfer(h) == FAILED:
-            raise RuntimeError("raw READ refused")
-        t1 = time.perf_counter()
-        wait_handle(self.agent.check_xfer_state, h)
-        self.agent.release_xfer_handle(h)
-        return {"total": time.perf_counter() - t0, "post": t1 - t0}
+        return prepped_read(self.agent, self.local, self.remote, self.idx, notif)
 
     def close(self) -> None:
         self.agent.release_dlist_handle(self.local)
@@ -200,13 +206,7 @@ def per_descriptor_cost(sizes: tuple[int, ...], count: int, reps: int, progress_
             kernel = CmaRead(dst.data_ptr() + offsets, src.data_ptr() + offsets, np.full(count, size, dtype=np.int64))
             nixl_s, kernel_s = [], []
             for _ in range(reps + 1):  # the first pair warms UCX's endpoint and registration cache
-                t0 = time.perf_counter()
-                handle = d_agent.make_prepped_xfer("READ", local, idx, remote, idx)
-                if d_agent.transfer(handle) == FAILED:
-                    raise RuntimeError("NIXL refused the READ")
-                wait_handle(d_agent.check_xfer_state, handle)
-                d_agent.release_xfer_handle(handle)
-                nixl_s.append(time.perf_counter() - t0)
+                nixl_s.append(prepped_read(d_agent, local, remote, idx)["total"])
                 kernel_s.append(kernel.once()["total"])
             nixl_us = float(np.median(nixl_s[1:])) / count * 1e6
             kernel_us = float(np.median(kernel_s[1:])) / count * 1e6

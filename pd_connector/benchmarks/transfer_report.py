@@ -101,6 +101,9 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
     for model, ub, blocks in keys:
         by_len = {r.tokens: r for r in results if (r.model, r.user_block, r.blocks) == (model, ub, blocks)}
         last = by_len[max(by_len)]
+        kernel = [f"{last.ratio('cma_runs', 'cma_one'):.2f}", f"{last.ratio('connector', 'cma_runs'):.2f}"]
+        if "cma_runs" not in last.samples:
+            kernel = [""] * 2
         bs = str(last.block_size) if last.block_size == ub else f"{ub}>{last.block_size}"
         long = [r.ratio("connector", "raw") for t, r in by_len.items() if t >= 4096]
         rows.append([
@@ -108,8 +111,7 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
             *[f"{by_len[t].ratio('connector', 'raw'):.2f}" if t in by_len else "" for t in lengths],
             last.runs,
             "/".join(f"{last.gbps(v):.1f}" for v in ("connector", "raw", "memcpy")),
-            *([f"{last.ratio('cma_runs', 'cma_one'):.2f}", f"{last.ratio('connector', 'cma_runs'):.2f}"]
-              if cma and "cma_runs" in last.samples else [""] * 2 if cma else []),
+            *(kernel if cma else []),
             ("yes" if min(round(x, 2) for x in long) >= target else "NO") if long else "",  # as shown
         ])
     return report.format_table(headers, rows)
