@@ -28,7 +28,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # "fail" the request with an error. Sets vLLM's kv_load_failure_policy accordingly.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
-    nixl_num_threads: int = 0
+    # NIXL's UCX worker threads, each with its own UCX worker: D's READ is split evenly over
+    # them and posted asynchronously (transport.backend_params). 2 copied scattered pages at
+    # ~1.5x one descriptor's speed on the 2-core CPU box and keeps the copy off D's engine
+    # thread; idle threads cost nothing measurable (they sleep as the progress thread does).
+    # vLLM's NixlConnector uses 4. 0: no worker threads (over DRAM the post then copies, so
+    # D slices each READ, see nixl_read_chunk_mib).
+    nixl_num_threads: int = 2
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
     # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
     # model's; measured ~4% of a core and 2x loopback READ GB/s), 0 over VRAM (NIXL's and vLLM
@@ -39,9 +45,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # empty step the worker waits up to this long for the side channel to bring news (woken at
     # once by a claim, release or handshake reply). 0: never wait (vLLM's own behaviour).
     idle_step_wait_ms: float = 2.0
-    # Over DRAM, D posts a READ in slices of at most this many MiB, one per engine-step hook,
-    # because UCX copies inside the post call (it would block D's engine thread for the whole
-    # copy). 0: one post per request. Ignored over VRAM (posts there are asynchronous).
+    # With nixl_num_threads 0 over DRAM, D posts a READ in slices of at most this many MiB, one
+    # per engine-step hook, because UCX then copies inside the post call (it would block D's
+    # engine thread for the whole copy). 0: one post per request. Ignored with worker threads
+    # or over VRAM (posts there are asynchronous).
     nixl_read_chunk_mib: int = 32
     # Shared secret authenticating side-channel peers (HMAC-SHA256 over every message), read from
     # this file or from the PD_CONNECTOR_SHARED_SECRET environment variable; never from the

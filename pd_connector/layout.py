@@ -325,3 +325,38 @@ def chunk_bounds(nbytes: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def cut_long_runs(
+    local_idx: np.ndarray, remote_idx: np.ndarray, local: DescriptorRows, remote: DescriptorRows,
+    pieces: int, min_bytes: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The same descriptor pairs, reordered so that the runs NIXL merges are about equally long:
+    a run longer than the READ's median run, or than ``1/pieces`` of its bytes, is cut at
+    descriptor boundaries into pieces of about equal size (never below ``min_bytes``), listed
+    last piece first. NIXL merges a descriptor only with the next one in the list when both
+    sides are contiguous, so reversed pieces stay apart (``count_runs`` counts them).
+
+    Why: NIXL's UCX thread pool splits a READ among its worker threads by descriptor count,
+    after the merge and never inside a descriptor (nixlUcxThreadPoolEngine::prepXfer). A READ of
+    a few long runs (contiguous block ids, packed layouts) would leave threads idle, and long
+    attention runs listed before short state pages would give the first thread the bulk of the
+    bytes; with runs of about one size, any split by count is a split by bytes. Runs stay in
+    order, and a single descriptor longer than the cut stays whole."""
+    n = int(local_idx.size)
+    if n < 2 or pieces <= 1:
+        return local_idx, remote_idx
+    nbytes = local.nbytes_of(local_idx).astype(np.int64)
+    breaks = merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    run_bytes = np.add.reduceat(nbytes, starts)
+    max_bytes = max(min(-(-int(nbytes.sum()) // pieces), int(np.median(run_bytes))), min_bytes, 1)
+    if run_bytes.max() <= max_bytes:
+        return local_idx, remote_idx
+    run = np.repeat(np.arange(starts.size), np.diff(np.append(starts, n)))
+    before = np.cumsum(nbytes) - nbytes
+    within = before - before[starts][run]  # bytes ahead of each descriptor in its run
+    cuts = -(-run_bytes // max_bytes)
+    piece = within * cuts[run] // run_bytes[run]
+    order = np.lexsort((np.arange(n), -piece, run))
+    return local_idx[order], remote_idx[order]

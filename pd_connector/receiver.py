@@ -4,10 +4,11 @@
   every request waiting on it and is retried by later requests.
 - claim: P confirms the offset and block ids match its lease and extends it (background
   thread); refused claims fail the request *before* any byte is read.
-- READ: one prepared NIXL transfer (engine thread) posted in slices of at most
-  ``nixl_read_chunk_mib`` over DRAM (one slice per ``advance()`` call, so a big READ never holds
-  the engine thread for more than a slice's copy); the notification rides on the last slice
-  and tells P to free.
+- READ: one prepared NIXL transfer (engine thread). Where the post itself copies (DRAM without
+  UCX worker threads) it goes out in slices of at most ``nixl_read_chunk_mib``, one per
+  ``advance()`` call, so a big READ never holds the engine thread for more than a slice's copy;
+  elsewhere (worker threads, VRAM) in one post. The notification rides on the last slice and
+  tells P to free.
 - optional digest check of the recurrent state after the READ.
 
 Outcomes are per request: ``finished`` or ``failed`` (the scheduler recomputes failed ones).
@@ -85,7 +86,7 @@ class Receiver:
         self._corrupt_state = corrupt_state
         self.recorder = Recorder()
         # Over VRAM a post is asynchronous: slicing would only add round trips.
-        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB if transport.mem_type == "DRAM" else 0
+        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB if transport.copies_in_post else 0
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:
             self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
@@ -215,8 +216,8 @@ class Receiver:
             self._reads[request_id] = _Read(xfer, task, started, time.monotonic(), runs, granted.state_digest, nbytes)
 
     def _poll_reads(self) -> None:
-        # At most one slice posted per call over DRAM (the copy happens inside the post), oldest
-        # request first; over VRAM every READ posts at once.
+        # At most one slice posted per call where the post copies (DRAM without worker
+        # threads), oldest request first; otherwise every READ posts at once.
         budget = 1
         for request_id, read in list(self._reads.items()):
             may_post = self._chunk_bytes == 0 or budget > 0

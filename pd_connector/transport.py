@@ -40,6 +40,13 @@ def _import_nixl():
 
 _AGENT_CREATION = threading.Lock()
 
+# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes, so
+# that NIXL's split by descriptor count (layout.cut_long_runs) leaves each thread within about
+# 1/8 of an equal share; never below 256 KiB, where a descriptor's own cost (2-4 µs over cma,
+# `bench transfer --sections perdesc`) would reach ~5% of its copy.
+RUN_PIECES_PER_THREAD = 8
+MIN_RUN_PIECE_BYTES = 256 << 10
+
 
 class _DelayedProgressBind:
     """Stands in for NIXL's ``nixlBind`` module while ``nixl_agent.__init__`` runs, setting the
@@ -76,6 +83,27 @@ def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
             api.nixlBind = bind
 
 
+def backend_params(backend: str, num_threads: int) -> dict[str, str]:
+    """Init parameters for one NIXL backend with ``num_threads`` worker threads (0: none).
+
+    UCX with threads runs ``nixlUcxThreadPoolEngine`` (NIXL plugins/ucx/ucx_backend.cpp): a
+    transfer of at least ``split_batch_size`` descriptors goes out in chunks of
+    ``max(descriptors / threads, split_batch_size)``, each posted and progressed by a worker
+    thread with its own UCX worker; a smaller one is posted by the caller, which over DRAM
+    copies inside the post (cma). With NIXL's default size, READs of up to ~1k descriptors
+    stayed on D's engine thread and a 2-thread pool copied a 2k-descriptor READ on one thread.
+    1 splits every READ evenly over the threads: the post returns in well under a millisecond
+    and the copies run side by side (scattered 128 KiB pages on the 2-core box: 6-7 GB/s with 2
+    threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md#performance)."""
+    if num_threads <= 0:
+        return {}
+    if backend == "UCX":
+        return {"num_threads": str(num_threads), "split_batch_size": "1"}
+    if backend in ("LIBFABRIC", "OBJ"):  # as nixl_agent.__init__ passes it
+        return {"num_threads": str(num_threads)}
+    return {}
+
+
 class _Peer:
     __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
 
@@ -103,14 +131,19 @@ class NixlTransport:
         nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name or f"pd-{uuid.uuid4().hex[:12]}"
         self.mem_type = mem_type
+        # UCX's worker threads post and copy; without them a DRAM READ copies inside the post.
+        threaded = num_threads > 0 and "UCX" in backends
+        self.copies_in_post = mem_type == "DRAM" and not threaded
+        # Pieces a READ's long runs are cut into so that every worker thread gets a share.
+        self._run_pieces = RUN_PIECES_PER_THREAD * num_threads if threaded and num_threads > 1 else 1
+        # Backends are created here, not by nixl_agent, which passes UCX nothing but num_threads.
         config = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=list(backends),
-            num_threads=num_threads,
-            capture_telemetry=capture_telemetry,
+            enable_prog_thread=progress_thread, backends=[], capture_telemetry=capture_telemetry
         )
         try:
             self._agent = create_agent(nixl_agent, self.name, config, progress_delay_us)
+            for backend in backends:
+                self._agent.create_backend(backend, backend_params(backend, num_threads))
         except Exception as exc:
             raise RuntimeError(
                 f"could not create a NIXL agent with backends {list(backends)}: {exc}. "
@@ -213,9 +246,14 @@ class NixlTransport:
     def plan(
         self, key: str, pairs: Sequence[Sequence[tuple[int, int]]]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Descriptor indices (local, remote) for per-group (remote block, local block) pairs."""
+        """Descriptor indices (local, remote) for per-group (remote block, local block) pairs;
+        with several worker threads, long runs cut so that each thread gets a share
+        (``layout.cut_long_runs``)."""
         peer = self._peers[key]
-        return layout.plan_indices(pairs, peer.local_rows, peer.rows)
+        local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
+        return layout.cut_long_runs(
+            local_idx, remote_idx, peer.local_rows, peer.rows, self._run_pieces, MIN_RUN_PIECE_BYTES
+        )
 
     def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
         """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
@@ -288,12 +326,14 @@ class ChunkedRead:
     slice per ``advance()`` call, the completion notification on the last slice only (P must
     not free its blocks before every slice landed).
 
-    Why: over DRAM, UCX copies inside ``transfer()`` (shared-memory cma), so one big READ holds
-    the calling thread -- D's engine thread -- for the whole copy (~100 ms for 256 MiB on a
-    small box). A slice bounds that. Over VRAM the post is asynchronous and the plan is one
-    slice. NIXL 1.5.1 agents are not thread-safe in their default sync mode, and its RW mode
-    serialises other calls behind a running ``transfer()`` (measured), so posting from a
-    helper thread would not help: every NIXL call stays on the engine thread.
+    Why: over DRAM without UCX worker threads, UCX copies inside ``transfer()`` (shared-memory
+    cma), so one big READ holds the calling thread -- D's engine thread -- for the whole copy
+    (~100 ms for 256 MiB on a small box). A slice bounds that. With worker threads
+    (``nixl_num_threads``) or over VRAM the post is asynchronous and the plan is one slice
+    (``NixlTransport.copies_in_post``). NIXL 1.5.1 agents are not thread-safe in their default
+    sync mode, and its RW mode serialises other calls behind a running ``transfer()``
+    (measured), so posting from a helper thread of ours would not help: every NIXL call stays
+    on the engine thread, and NIXL's own worker threads do the copying.
     """
 
     def __init__(self, transport: NixlTransport, key: str, local_idx, remote_idx, notif: bytes, bounds):

@@ -1,5 +1,8 @@
 """Transfer benchmark: the connector's READ path vs raw NIXL (one descriptor) vs memcpy, and
 over DRAM the kernel's own copy (``process_vm_readv``) of the connector's runs vs of one range.
+With worker threads (``--num-threads``, default the connector's ``nixl_num_threads``) also raw
+NIXL as one descriptor per thread (``raw_threads``): NIXL splits a READ by descriptors, so one
+descriptor is copied by one thread, the connector's thousands by all of them.
 
 Per case, all paths run in the same process, interleaved rep by rep (load on the box hits every
 path alike): ``--warmup`` untimed reps, then ``--reps`` timed ones; figures are medians, and the
@@ -13,8 +16,9 @@ Sections (``--sections``):
           block sizes as vLLM builds them on the device (attention: multiples of its smallest
           kernel block, CPU 32, CUDA 16; hybrids raised and aligned as vLLM does).
   layout  block-outer layout (BLHNC): packed spans (what the connector does) vs per-layer rows.
-  stall   the longest time one call into NIXL holds D's engine thread: sliced vs one READ.
-  knobs   NIXL/UCX settings (progress delay, worker threads, UCX_TLS), each on a fresh agent pair.
+  stall   the longest time one call into NIXL holds D's engine thread: without worker threads
+          sliced vs one READ (the post copies), and with them (the post returns at once).
+  knobs   NIXL/UCX settings (worker threads, progress delay, UCX_TLS), each on a fresh agent pair.
   first   first-request cost: agent creation, registration, add_peer, connect, first READ.
   perdesc DRAM: what NIXL + UCX add per descriptor above the kernel's own copy (4096
           descriptors of 64 B, 4 KiB, 64 KiB, one READ, vs process_vm_readv of the same ranges).
@@ -73,7 +77,6 @@ class Bench:
         self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
         self.num_threads = args.num_threads if num_threads is None else num_threads
         self.delay_us = progress_delay(args, self.mem_type) if delay_us is None else delay_us
-        self.chunk = args.chunk_mib * MiB if self.mem_type == "DRAM" else 0  # as receiver.py
         self.kernel_block = KERNEL_BLOCK[self.device.type]
         self.rng = np.random.default_rng(args.seed)
         self.cma: dict[str, paths.CmaRead] = {}
@@ -84,6 +87,7 @@ class Bench:
                               progress_delay_us=self.delay_us)
                 for role in "PD"
             )
+        self.chunk = args.chunk_mib * MiB if self.d_t.copies_in_post else 0  # as receiver.py
 
     def close(self):
         self.d_t.close()
@@ -115,7 +119,7 @@ class Bench:
         self.p_t.register(p_side.allocations, p_side.regions, self.dev)
         self.d_t.register(d_side.allocations, d_side.regions, self.dev)
         self.d_t.add_peer(KEY, self.p_t.agent_metadata, p_side.regions, self.dev)
-        raw = None
+        raws: dict[str, paths.RawNixl] = {}
         try:
             if "unpacked" in variants:  # the pre-packing connector: one row per layer
                 with mock.patch.object(layout, "common_packing", lambda a, b: frozenset()):
@@ -131,9 +135,11 @@ class Bench:
             if "unpacked" in variants:
                 uli, uri = self.d_t.plan(UNPACKED, pairs)
                 res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), self.d_t.count_runs(UNPACKED, uli, uri)
-            self.once("connector", pairs, p_side, d_side, nbytes, None)  # untimed, then checked
+            self.once("connector", pairs, p_side, d_side, nbytes, {})  # untimed, then checked
             res.verified = verify(p_side, d_side, pairs, geom.page_bytes)
-            raw = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
+            raws["raw"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
+            if "raw_threads" in variants:
+                raws["raw_threads"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev, self.num_threads)
             if "cma_runs" in variants:
                 self.cma = {
                     "cma_runs": paths.CmaRead(*self.d_t.merged_ranges(KEY, li, ri)),
@@ -142,7 +148,7 @@ class Bench:
             stages: dict[str, list[dict]] = {v: [] for v in variants}
             for rep in range(args.warmup + args.reps):
                 for v in variants:
-                    st = self.once(v, pairs, p_side, d_side, nbytes, raw)
+                    st = self.once(v, pairs, p_side, d_side, nbytes, raws)
                     if rep >= args.warmup:
                         res.samples.setdefault(v, []).append(st["total"])
                         stages[v].append(st)
@@ -153,18 +159,18 @@ class Bench:
             return res
         finally:
             self.cma = {}
-            if raw is not None:
+            for raw in raws.values():
                 raw.close()
             self.d_t.close()
             self.p_t.close()
 
-    def once(self, variant, pairs, p_side, d_side, nbytes, raw) -> dict:
+    def once(self, variant, pairs, p_side, d_side, nbytes, raws) -> dict:
         if variant == "memcpy":
             return paths.memcpy_once(p_side.buf, d_side.buf, nbytes, self.device)
         if variant in self.cma:
             return self.cma[variant].once()
-        if variant == "raw":
-            st = raw.once(self.notif())
+        if variant in raws:
+            st = raws[variant].once(self.notif())
         elif variant == "connector":
             st = paths.connector_once(self.d_t, pairs, self.notif(), self.chunk)
         elif variant == "one_read":  # no slicing: one post per request
@@ -224,10 +230,12 @@ def small_block_cases(args, tokens: int) -> list[tuple[str, int, int, bool]]:
 def knob_settings(quick: bool) -> list[tuple[str, int, dict, int | None]]:
     """(name, NixlTransport num_threads, UCX environment at agent creation, progress delay µs;
     None: the connector's default)."""
-    out = [("default (threads=0)", 0, {}, None), ("progress_delay_us=0", 0, {}, 0), ("num_threads=1", 1, {}, None),
-           ("num_threads=2", 2, {}, None), ("num_threads=4", 4, {}, None), ("UCX_TLS=tcp", 0, {"UCX_TLS": "tcp"}, None),
-           ("UCX_TLS=posix,tcp", 0, {"UCX_TLS": "posix,tcp"}, None)]
-    quick_set = ("default (threads=0)", "progress_delay_us=0", "num_threads=2", "UCX_TLS=tcp")
+    default = ConnectorSettings().nixl_num_threads
+    out = [(f"num_threads={n}" + (" (default)" if n == default else ""), n, {}, None) for n in (0, 1, 2, 4)]
+    out += [("progress_delay_us=0", default, {}, 0), ("UCX_TLS=tcp", default, {"UCX_TLS": "tcp"}, None),
+            ("UCX_TLS=posix,tcp", default, {"UCX_TLS": "posix,tcp"}, None)]
+    by_threads = {n: name for name, n, env, delay in out if not env and delay is None}
+    quick_set = (by_threads[0], by_threads.get(default), "UCX_TLS=tcp")
     return [k for k in out if k[0] in quick_set] if quick else out
 
 
@@ -279,10 +287,11 @@ def parse_args(argv=None):
     ap.add_argument("--budget-mib", type=int, help="max bytes one request moves; layers are dropped "
                     "(pages kept) above it (default 256; quick 96)")
     ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
-    ap.add_argument("--num-threads", type=int, default=0, help="nixl_num_threads for every section but knobs")
+    ap.add_argument("--num-threads", type=int, default=ConnectorSettings().nixl_num_threads,
+                    help="nixl_num_threads for every section but knobs and stall (default: the connector's)")
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
-    ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM only; 0 = one post)")
+    ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM without worker threads only; 0 = one post)")
     sections = ["main", "layout", "stall", "knobs", "first", "perdesc"]
     ap.add_argument("--sections", nargs="+", choices=sections,
                     help="default: all; --quick leaves out knobs (a fresh agent pair per setting)")
@@ -327,7 +336,8 @@ def main(argv=None) -> int:
               "runs = after NIXL's merge; c/raw, c/memcpy = connector throughput relative (median of "
               "per-rep ratios); stall = longest single call into NIXL (D's engine thread) ==", flush=True)
         cases = [(m, t, b, s) for m in args.models for b in args.blocks for t in args.tokens for s in (True, False)]
-        variants = base + (("cma_runs", "cma_one") if paths.cma_available(torch.device(args.device)) else ())
+        variants = base + (("raw_threads",) if args.num_threads > 1 else ()) + (
+            ("cma_runs", "cma_one") if paths.cma_available(torch.device(args.device)) else ())
         results["main"] = run_section(args, "main", cases, variants)
         data["tables"]["main"] = print_results(results["main"], variants, "")
         data["tables"]["summary"] = summary_table(results["main"])
@@ -340,12 +350,15 @@ def main(argv=None) -> int:
         data["tables"]["layout"] = print_results(results["layout"], variants, "",
                                                  extra=["unpacked_desc", "unpacked_runs", ("unpacked/c", "unpacked/c", ".2f")])
     if "stall" in args.sections:
-        print(f"\n== stall: sliced READ ({args.chunk_mib} MiB slices; DRAM) vs one post per request ==", flush=True)
+        print(f"\n== stall: the longest call into NIXL on D's engine thread; without worker threads the connector "
+              f"slices ({args.chunk_mib} MiB) vs one post per request, then with {args.num_threads} ==", flush=True)
         variants = ("connector", "one_read", "raw")
-        stall_cases = small_block_cases(args, 16384)
-        results["stall"] = run_section(args, "stall", stall_cases[:2] if args.quick else stall_cases, variants)
+        stall_cases = small_block_cases(args, 16384)[: 2 if args.quick else 3]
+        results["stall"] = run_section(args, "stall", stall_cases, variants, num_threads=0)
+        if args.num_threads > 0:
+            results["stall"] += run_section(args, "stall", stall_cases, ("connector", "raw"))
         data["tables"]["stall"] = print_results(results["stall"], variants, "",
-                                                extra=[("1read_stall", "1-read stall ms", ".1f")])
+                                                extra=[("num_threads", "threads", "d"), ("1read_stall", "1-read stall ms", ".1f")])
     knob_rows: list[dict] = []
     if "knobs" in args.sections:
         print("\n== knobs: NIXL worker threads and UCX transports (GB/s, medians) ==", flush=True)

@@ -105,14 +105,19 @@ def prepped_read(agent, local, remote, idx: np.ndarray, notif: bytes = b"") -> d
 
 
 class RawNixl:
-    """The same bytes as ONE prepared descriptor, on the connector's own agents."""
+    """The same bytes as ONE prepared descriptor, on the connector's own agents; with ``parts``
+    > 1, as that many equal descriptors (one per worker thread: NIXL's thread pool splits a
+    READ by descriptors, never inside one), listed last part first so NIXL cannot merge them
+    back into one."""
 
-    def __init__(self, d_t: NixlTransport, p_base: int, d_base: int, nbytes: int, dev: int):
+    def __init__(self, d_t: NixlTransport, p_base: int, d_base: int, nbytes: int, dev: int, parts: int = 1):
         self.agent = d_t._agent  # the benchmark reaches into the transport on purpose
         peer = d_t._peers[KEY].agent_name
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(d_base, nbytes, dev)], d_t.mem_type)
-        self.remote = self.agent.prep_xfer_dlist(peer, [(p_base, nbytes, dev)], d_t.mem_type)
-        self.idx = np.zeros(1, dtype=np.int32)
+        bounds = [nbytes * i // parts for i in range(parts + 1)][::-1]
+        spans = [(lo, hi - lo) for hi, lo in zip(bounds, bounds[1:])]
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(d_base + o, n, dev) for o, n in spans], d_t.mem_type)
+        self.remote = self.agent.prep_xfer_dlist(peer, [(p_base + o, n, dev) for o, n in spans], d_t.mem_type)
+        self.idx = np.arange(parts, dtype=np.int32)
 
     def once(self, notif: bytes) -> dict:
         return prepped_read(self.agent, self.local, self.remote, self.idx, notif)

@@ -1,8 +1,9 @@
 """PNG of the transfer benchmark: per model and block size, the connector's throughput relative
 to raw NIXL and to memcpy against prompt length (scattered solid, contiguous dashed; the dotted
 line is issue #5's 0.9 of raw NIXL), and where measured (DRAM) the kernel's copy of the same
-runs relative to one range (grey: the ceiling of any transfer over cma), plus GB/s of the layout
-and stall sections."""
+runs relative to one range (grey: the ceiling of one thread's transfer over cma), with worker
+threads the connector relative to raw NIXL as one descriptor per thread (orange), plus GB/s of
+the layout and stall sections."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def plot(plt, results: dict, knob_rows) -> object | None:
                     continue
                 x = [r.tokens for r in sel]
                 curves = [(("connector", "raw"), "o", "C0"), (("connector", "memcpy"), "^", "C2")]
+                if all("raw_threads" in r.samples for r in sel):
+                    curves.append((("connector", "raw_threads"), "s", "C1"))
                 if all("cma_runs" in r.samples for r in sel):
                     curves.append((("cma_runs", "cma_one"), "x", "grey"))
                 for (num, den), marker, color in curves:
                     ax.plot(x, [r.ratio(num, den) for r in sel], marker + style, color=color, label=f"{num}/{den} {mode}")
             ax.axhline(TARGET_RATIO, color="grey", lw=0.8, ls=":")
-            ax.set_ylim(0, 1.3)
+            ax.set_ylim(0, max([1.3] + [1.1 * y for line in ax.get_lines() for y in line.get_ydata()]))
             bs = rs[0].block_size if rs else ub
             ax.set_title(f"{model}  block {ub}" + (f"->{bs}" if bs != ub else ""), fontsize=9)
             ax.set_xscale("log", base=2)
@@ -58,7 +61,7 @@ def plot(plt, results: dict, knob_rows) -> object | None:
             width = 0.8 / max(1, len(variants))
             for n, v in enumerate(variants):
                 ax.bar(xs + n * width, [r.gbps(v) for r in rs], width, label=v)
-            ax.set_xticks(xs + 0.4 - width / 2, [f"{r.model}\n{r.tokens // 1024}k {r.blocks[:4]}" for r in rs],
+            ax.set_xticks(xs + 0.4 - width / 2, [f"{r.model}\n{r.tokens // 1024}k {r.blocks[:4]} t{r.knobs.get('num_threads', '')}" for r in rs],
                           fontsize=6, rotation=45, ha="right")
             ax.set_title(f"{section}: GB/s (median)", fontsize=9)
             ax.legend(fontsize=6)

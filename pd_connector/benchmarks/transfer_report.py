@@ -62,6 +62,7 @@ def table_rows(results: list[Result], variants) -> list[dict]:
             row[v] = r.gbps(v)
         row["c/raw"] = r.ratio("connector", "raw")
         row["c/memcpy"] = r.ratio("connector", "memcpy")
+        row["c/raw thr"] = r.ratio("connector", "raw_threads") if "raw_threads" in r.samples else ""
         row["cma runs/one"] = r.ratio("cma_runs", "cma_one") if "cma_runs" in r.samples else ""
         row["c/cma runs"] = r.ratio("connector", "cma_runs") if "cma_runs" in r.samples else ""
         row["stall_ms"] = r.stages_ms.get("connector", {}).get("post", 0.0)
@@ -73,12 +74,13 @@ def table_rows(results: list[Result], variants) -> list[dict]:
 def print_results(results, variants, title, extra=()) -> str:
     cols = ["model", "layers", "tok", "bs", "blocks", "MiB", "desc", "runs", *extra,
             *[(v, v, ".2f") for v in variants], ("c/raw", "c/raw", ".2f"), ("c/memcpy", "c/memcpy", ".2f"),
+            *([("c/raw thr", "c/raw thr", ".2f")] if "raw_threads" in variants else []),
             *([("cma runs/one", "cma runs/one", ".2f"), ("c/cma runs", "c/cma runs", ".2f")] if "cma_runs" in variants else []),
             ("stall_ms", "stall ms", ".1f"), "ok"]
     rows = table_rows(results, variants)
     for r, res in zip(rows, results):
-        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs")})
-        r["1read_stall"] = res.stages_ms.get("one_read", {}).get("post", 0.0)
+        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs", "num_threads")})
+        r["1read_stall"] = res.stages_ms["one_read"]["post"] if "one_read" in res.stages_ms else ""
         r["unpacked/c"] = res.ratio("unpacked", "connector") if "unpacked" in res.samples else ""
     return report.print_table(rows, cols, title)
 
@@ -89,13 +91,16 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
     whether every length >= 4k tokens reaches ``target`` (issue #5). Where the kernel path ran
     (DRAM): at the longest length, the kernel's own copy of the connector's runs relative to one
     range of the same bytes (the ceiling of any transfer over cma for those ranges) and the
-    connector relative to that copy."""
+    connector relative to that copy. With worker threads, the connector relative to raw NIXL as
+    one descriptor per thread (``raw_threads``) at the longest length."""
     keys = list(dict.fromkeys((r.model, r.user_block, r.blocks) for r in results))
     lengths = sorted({r.tokens for r in results})
     cma = any("cma_runs" in r.samples for r in results)
+    threads = any("raw_threads" in r.samples for r in results)
     longest = fmt_tokens(lengths[-1]) if lengths else ""
     headers = ["model", "bs", "blocks", *[f"c/raw {fmt_tokens(t)}" for t in lengths], f"runs {longest}",
-               "conn/raw/memcpy GB/s", *([f"cma runs/one {longest}", f"c/cma runs {longest}"] if cma else []),
+               "conn/raw/memcpy GB/s", *([f"c/raw thr {longest}"] if threads else []),
+               *([f"cma runs/one {longest}", f"c/cma runs {longest}"] if cma else []),
                f">= {target} at >= 4k"]
     rows = []
     for model, ub, blocks in keys:
@@ -111,6 +116,7 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
             *[f"{by_len[t].ratio('connector', 'raw'):.2f}" if t in by_len else "" for t in lengths],
             last.runs,
             "/".join(f"{last.gbps(v):.1f}" for v in ("connector", "raw", "memcpy")),
+            *([f"{last.ratio('connector', 'raw_threads'):.2f}" if "raw_threads" in last.samples else ""] if threads else []),
             *(kernel if cma else []),
             ("yes" if min(round(x, 2) for x in long) >= target else "NO") if long else "",  # as shown
         ])

@@ -22,9 +22,25 @@ def test_bench_transfer_main_section_runs_and_reports_the_kernel_ceiling(tmp_pat
     assert {c["blocks"] for c in cases} == {"scattered", "contiguous"}
     for case in cases:
         assert case["verified"] and case["block_size"] == 32
-        want = {"connector", "raw", "memcpy"} | ({"cma_runs", "cma_one"} if sys.platform.startswith("linux") else set())
+        want = {"connector", "raw", "memcpy", "raw_threads"}  # the connector's default: 2 worker threads
+        want |= {"cma_runs", "cma_one"} if sys.platform.startswith("linux") else set()
         assert set(case["samples"]) == want
-    assert "cma runs/one 1k" in capsys.readouterr().out
+        assert case["knobs"]["num_threads"] == 2
+    out = capsys.readouterr().out
+    assert "cma runs/one 1k" in out and "c/raw thr 1k" in out
+
+
+def test_bench_transfer_stall_section_measures_the_engine_thread_without_and_with_worker_threads(tmp_path):
+    from pd_connector.benchmarks import transfer
+
+    argv = ["--quick", "--sections", "stall", "--reps", "1", "--warmup", "0", "--budget-mib", "8", "--out", str(tmp_path)]
+    assert transfer.main(argv) == 0
+    cases = json.loads((tmp_path / "bench_transfer.json").read_text())["stall"]
+    by_threads = {}
+    for case in cases:
+        assert case["verified"]
+        by_threads.setdefault(case["knobs"]["num_threads"], set()).update(case["samples"])
+    assert by_threads == {0: {"connector", "one_read", "raw"}, 2: {"connector", "raw"}}
 
 
 def test_bench_transfer_notes_a_block_size_vllm_cpu_refuses(tmp_path, capsys):

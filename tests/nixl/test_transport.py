@@ -117,7 +117,7 @@ class Engine:
         return self.mem[off : off + self.placement.page[self.placement.group_of(name)]]
 
 
-def make_engine(kind: str, num_blocks: int, seed: int | None) -> Engine:
+def make_engine(kind: str, num_blocks: int, seed: int | None, **transport_kw) -> Engine:
     pl = placement(kind, num_blocks)
     buf = torch.zeros(pl.nbytes, dtype=torch.uint8)
     if seed is not None:
@@ -136,7 +136,7 @@ def make_engine(kind: str, num_blocks: int, seed: int | None) -> Engine:
     allocations, regions = regions_from_kv_caches(config, kv_caches, (ATTN, MAMBA))
     assert [r.name for r in regions] == [*ATTN_LAYERS, *MAMBA_LAYERS]
     assert allocations == [(buf.data_ptr(), pl.nbytes, 0)]
-    transport = NixlTransport()
+    transport = NixlTransport(**transport_kw)
     try:
         transport.register(allocations, regions)
     except Exception:

@@ -48,3 +48,30 @@ def test_the_kernel_columns_show_the_cma_ceiling_and_the_connector_against_it():
     assert cells["c/cma runs 4k"] == "0.89"  # 0.8 / 0.9
     assert cells[">= 0.9 at >= 4k"] == "NO"
     assert "cma runs/one 4k" not in summary_table([result(4096, "scattered", 1.0)])  # no kernel path: no column
+
+
+def test_with_worker_threads_the_summary_shows_the_connector_against_one_descriptor_per_thread():
+    """``raw_threads``: raw NIXL as one descriptor per worker thread, the best NIXL itself does
+    with the connector's threads; the verdict stays against raw NIXL's one descriptor."""
+    r = result(4096, "scattered", 1.0 / 1.4)
+    r.samples["raw_threads"] = [1.0 / 1.5] * 3  # 1.5x one descriptor
+    table = summary_table([r])
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    cells = dict(zip(header, rows(table)["scattered"]))
+    assert cells["c/raw 4k"] == "1.40" and cells["c/raw thr 4k"] == "0.93"  # 1.4 / 1.5
+    assert cells[">= 0.9 at >= 4k"] == "yes"
+    assert "c/raw thr" not in summary_table([result(4096, "scattered", 1.0)])
+
+
+def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_and_the_default():
+    from pd_connector.benchmarks.transfer import knob_settings
+    from pd_connector.config import ConnectorSettings
+
+    default = ConnectorSettings().nixl_num_threads
+    full = knob_settings(quick=False)
+    marked = [name for name, threads, env, delay in full if "(default)" in name]
+    assert marked == [f"num_threads={default} (default)"]
+    # Every other setting is measured on top of the default thread count.
+    assert all(threads == default for name, threads, env, delay in full if not name.startswith("num_threads="))
+    quick = [name for name, *_ in knob_settings(quick=True)]
+    assert quick == ["num_threads=0", f"num_threads={default} (default)", "UCX_TLS=tcp"]

@@ -13,6 +13,7 @@ from pd_connector.layout import (
     chunk_bounds,
     common_packing,
     count_runs,
+    cut_long_runs,
     descriptor_indices,
     descriptor_rows,
     group_regions,
@@ -333,6 +334,21 @@ def test_packed_descriptors_copy_exactly_the_bytes_of_per_layer_ones(maps, data)
         la, ra, nb = merged_ranges(li, ri, lr, rr)
         assert la.size == ra.size == nb.size == runs
         assert {int(a) + k: int(b) + k for a, b, n in zip(la, ra, nb) for k in range(int(n))} == per_layer
+        # Cut for worker threads: the same pairs in another order, the same copy, no merged run
+        # above its share (1/pieces of the bytes, or min_bytes, or one descriptor that cannot be
+        # cut), never fewer runs.
+        pieces = data.draw(st.integers(1, 8), label="pieces")
+        min_bytes = data.draw(st.sampled_from([0, 16, 64]), label="min_bytes")
+        ci, cr = cut_long_runs(li, ri, lr, rr, pieces, min_bytes)
+        assert sorted(zip(ci.tolist(), cr.tolist())) == sorted(zip(li.tolist(), ri.tolist()))
+        if pieces == 1:
+            assert ci.tolist() == li.tolist() and cr.tolist() == ri.tolist()
+        la, ra, nb = merged_ranges(ci, cr, lr, rr)
+        assert {int(a) + k: int(b) + k for a, b, n in zip(la, ra, nb) for k in range(int(n))} == per_layer
+        assert count_runs(ci, cr, lr, rr) == nb.size >= runs
+        if li.size:
+            sizes = lr.nbytes_of(li)
+            assert nb.max() <= max(-(-int(sizes.sum()) // pieces), min_bytes, int(sizes.max()))
 
 
 def test_block_outer_contiguous_blocks_are_one_descriptor_per_group():
@@ -394,3 +410,21 @@ def test_chunk_bounds_cover_every_descriptor_once_within_the_limit(sizes, limit)
             # Greedy: the next descriptor would not have fitted.
             if b < len(sizes):
                 assert int(nbytes[a : b + 1].sum()) > limit
+
+
+def test_long_attention_runs_before_short_state_pages_are_cut_so_a_split_by_count_is_even():
+    """Contiguous blocks of a hybrid: 4 attention layers of 8-block runs (128 B each) listed
+    before 6 one-page state descriptors (32 B): NIXL's thread pool would hand the first half of
+    the descriptors -- all the attention bytes -- to one thread. Cut to about the median run,
+    both halves carry the same bytes."""
+    attn = [LayerRegion(f"a{i}", 0, i * 10 * 16, 16, 16, 10) for i in range(4)]
+    state = [LayerRegion(f"s{i}", 1, 4096 + i * 10 * 32, 32, 32, 10) for i in range(6)]
+    rows = descriptor_rows(attn + state, ())
+    li, ri = plan_indices([[(b, b) for b in range(1, 9)], [(3, 3)]], rows, rows)
+    assert count_runs(li, ri, rows, rows) == 4 + 6
+    ci, cr = cut_long_runs(li, ri, rows, rows, pieces=16)
+    _, _, sizes = merged_ranges(ci, cr, rows, rows)
+    assert sizes.tolist() == [32] * 16 + [32] * 6  # each attention run cut in 4, last piece first
+    assert sizes[: sizes.size // 2].sum() == sizes[sizes.size // 2 :].sum()
+    # Pieces of one run are listed last first: NIXL cannot merge them back.
+    assert ci[:8].tolist() == [li[6], li[7], li[4], li[5], li[2], li[3], li[0], li[1]]

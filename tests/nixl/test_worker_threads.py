@@ -1,0 +1,208 @@
+"""READs through NIXL's UCX worker threads (``nixl_num_threads`` > 0, the connector's default):
+the thread-pool engine splits each READ over the threads (``transport.backend_params`` sets
+``split_batch_size`` 1) and posts it asynchronously. The bytes must be exactly the paired
+pages, P must hear of a READ only once every chunk has landed (it frees its blocks on that
+notification), and D's Receiver must post each READ whole instead of slicing it. Real NIXL,
+UCX over DRAM, loopback.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+from pd_connector import layout, side_channel
+from pd_connector.config import ConnectorSettings
+from pd_connector.metadata import RecvTask
+from pd_connector.protocol import Ack, Claim, Granted, Hello, Reject, Release, Welcome
+from pd_connector.receiver import Receiver
+from pd_connector.transport import DONE, PENDING
+
+from test_chunked_read import COMPAT
+from test_transport import (
+    ATTN,
+    KINDS,
+    MAMBA,
+    PAIR_CASES,
+    TIMEOUT_S,
+    assert_bytes,
+    collect_notifications,
+    expected_after,
+    make_engine,
+    wait_done,
+)
+
+pytestmark = pytest.mark.nixl
+
+THREADS = 2
+BIG_BLOCKS = 2048  # 2 x 8 MiB of attention pages: thousands of descriptors per READ
+
+
+@pytest.fixture(scope="module")
+def threaded():
+    """kind -> (P, D), both with worker threads; D zeroed and peered with P as "p"."""
+    made = {}
+
+    def get(kind, num_blocks=None):
+        key = (kind, num_blocks)
+        if key not in made:
+            p = make_engine(kind, num_blocks or 40, seed=4321, num_threads=THREADS)
+            d = make_engine(kind, num_blocks or 56, seed=None, num_threads=THREADS, capture_telemetry=True)
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            made[key] = (p, d)
+        p, d = made[key]
+        d.mem[:] = 0
+        p.transport.take_notifications()
+        return p, d
+
+    yield get
+    for p, d in made.values():
+        d.transport.close()
+        p.transport.close()
+
+
+def test_worker_threads_do_not_copy_inside_the_post(threaded):
+    _, d = threaded("layer_major_dense")
+    assert not d.transport.copies_in_post
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_worker_threads_move_exactly_the_paired_pages(threaded, kind, case):
+    p, d = threaded(kind)
+    pairs = [list(PAIR_CASES[case][0]), list(PAIR_CASES[case][1])]
+    p_before = p.mem.copy()
+    want, mask = expected_after(d, p, pairs)
+    notif = f"threads-{kind}-{case}".encode()
+    wait_done(d.transport, [d.transport.read("p", *d.transport.plan("p", pairs), notif)])
+    assert_bytes(d, want)
+    assert not d.mem[~mask].any(), "a byte outside the paired D pages changed"
+    assert np.array_equal(p.mem, p_before), "a READ modified the prefill side"
+    assert collect_notifications(p.transport, 1) == {notif: 1}
+
+
+def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
+    """P frees its blocks when the notification arrives: by then every byte of every chunk the
+    threads copied must be in D. Thousands of scattered descriptors, so the READ is split into
+    chunks copied side by side; P's notifications are polled while the READ runs, and D's bytes
+    are checked the moment P hears."""
+    p, d = threaded("layer_major_dense", BIG_BLOCKS)
+    rng = random.Random(3)
+    p_ids = rng.sample(range(1, BIG_BLOCKS), 1500)
+    d_ids = rng.sample(range(1, BIG_BLOCKS), 1501)
+    pairs = [list(zip(p_ids, d_ids[:1500])), [(rng.randrange(1, BIG_BLOCKS), d_ids[1500])]]
+    want, _ = expected_after(d, p, pairs)
+    li, ri = d.transport.plan("p", pairs)
+    assert d.transport.count_runs("p", li, ri) > 2 * THREADS
+    for attempt in range(3):
+        d.mem[:] = 0
+        notif = f"big-{attempt}".encode()
+        handle = d.transport.read("p", li, ri, notif)
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while not (heard := p.transport.take_notifications()):
+                assert time.monotonic() < deadline, "P was never notified"
+                d.transport.state(handle)  # D's engine polls, as the connector does
+            assert heard == [notif]
+            assert_bytes(d, want)  # at the moment P heard
+            while (state := d.transport.state(handle)) == PENDING:
+                assert time.monotonic() < deadline
+                time.sleep(0.0005)
+            assert state == DONE
+        finally:
+            d.transport.release(handle)
+
+
+def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(threaded):
+    """Contiguous blocks make one run per layer; with worker threads the plan cuts them
+    (``layout.cut_long_runs``) so each thread gets a share, and NIXL's own merged count is the
+    count the connector reports: the reversed pieces are not merged back."""
+    p, d = threaded("layer_major_dense", BIG_BLOCKS)
+    pairs = [[(b, b + 7) for b in range(1, 1001)], [(1200, 1300)]]
+    li, ri = d.transport.plan("p", pairs)
+    peer = d.transport._peers["p"]
+    uncut = layout.count_runs(*layout.plan_indices(pairs, peer.local_rows, peer.rows), peer.local_rows, peer.rows)
+    runs = d.transport.count_runs("p", li, ri)
+    assert uncut == 2 + 2 and runs > 2 * THREADS
+    handle = d.transport.read("p", li, ri, b"cut")
+    try:
+        wait_states(d.transport, handle)
+        assert d.transport.merged_descriptors(handle) == runs
+    finally:
+        d.transport.release(handle)
+    want, _ = expected_after(d, p, pairs)
+    assert_bytes(d, want)
+    assert collect_notifications(p.transport, 1) == {b"cut": 1}
+
+
+def wait_states(transport, handle) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while (state := transport.state(handle)) == PENDING:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert state == DONE
+
+
+def test_worker_threads_many_concurrent_reads_each_notify_once(threaded):
+    p, d = threaded("block_major_padded")
+    rng = random.Random(11)
+    d_free = rng.sample(range(1, 56), 36)
+    reads = []
+    for k in range(12):
+        d1, d2, d3 = d_free[3 * k : 3 * k + 3]
+        pairs = [[(rng.randrange(1, 40), d1), (rng.randrange(1, 40), d2)], [(rng.randrange(1, 40), d3)]]
+        reads.append((f"t-{k}".encode(), pairs))
+    union = [[pr for _, pairs in reads for pr in pairs[g]] for g in (ATTN, MAMBA)]
+    want, mask = expected_after(d, p, union)
+    handles = [d.transport.read("p", *d.transport.plan("p", pairs), notif) for notif, pairs in reads]
+    wait_done(d.transport, handles)
+    assert_bytes(d, want)
+    assert not d.mem[~mask].any()
+    assert collect_notifications(p.transport, len(reads)) == {n: 1 for n, _ in reads}
+
+
+def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, free_port):
+    """``nixl_read_chunk_mib`` bounds how long a post that copies holds D's engine thread; a
+    post through worker threads copies nothing, so slicing would only add engine steps."""
+    p, d = threaded("layer_major_dense", BIG_BLOCKS)
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+
+    def serve(message):
+        if isinstance(message, Hello):
+            return welcome
+        if isinstance(message, Claim):
+            return Granted(lease_seconds=30.0)
+        if isinstance(message, Release):
+            return Ack()
+        return Reject(reason="unexpected")
+
+    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    d.transport.remove_peer("p")
+    receiver = Receiver(d.transport, ConnectorSettings(nixl_read_chunk_mib=1), "d", COMPAT, None)
+    try:
+        rng = random.Random(5)
+        pairs = [list(zip(rng.sample(range(1, BIG_BLOCKS), 600), rng.sample(range(1, BIG_BLOCKS), 600))), []]
+        receiver.add("r", RecvTask("p", "127.0.0.1", free_port, "P-r", pairs, 600 * 16, 600 * 16 - 1, [[1]]))
+        slices = set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            receiver.advance()
+            slices |= {r.xfer.slices for r in receiver._reads.values()}
+            done, failed = receiver.take_results()
+            assert not failed
+            if done:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert slices == {1}, "a READ through worker threads was sliced"
+        want, _ = expected_after(d, p, pairs)
+        assert_bytes(d, want)
+        assert collect_notifications(p.transport, 1) == {b"P-r": 1}
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
