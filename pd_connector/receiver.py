@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pd_connector import layout, side_channel
+from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask
 from pd_connector.metrics import Recorder
@@ -86,7 +86,7 @@ class Receiver:
         self._corrupt_state = corrupt_state
         self.recorder = Recorder()
         # Over VRAM a post is asynchronous: slicing would only add round trips.
-        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB if transport.copies_in_post else 0
+        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:
             self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
@@ -205,7 +205,7 @@ class Receiver:
                     self.finished.add(request_id)
                     continue
                 key = task.remote_engine_id
-                bounds = layout.chunk_bounds(self.transport.descriptor_bytes(key, local_idx), self._chunk_bytes)
+                bounds = self.transport.read_slices(key, local_idx, remote_idx, self._chunk_bytes)
                 xfer = ChunkedRead(self.transport, key, local_idx, remote_idx, task.remote_request_id.encode(), bounds)
                 runs = self.transport.count_runs(key, local_idx, remote_idx)
             except Exception as exc:
@@ -220,7 +220,7 @@ class Receiver:
         # threads), oldest request first; otherwise every READ posts at once.
         budget = 1
         for request_id, read in list(self._reads.items()):
-            may_post = self._chunk_bytes == 0 or budget > 0
+            may_post = not (self.transport.copies_in_post and self._chunk_bytes) or budget > 0
             posted = read.xfer.next
             state = read.xfer.advance(may_post)
             budget -= read.xfer.next - posted

@@ -40,10 +40,10 @@ def _import_nixl():
 
 _AGENT_CREATION = threading.Lock()
 
-# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes, so
-# that NIXL's split by descriptor count (layout.cut_long_runs) leaves each thread within about
-# 1/8 of an equal share; never below 256 KiB, where a descriptor's own cost (2-4 µs over cma,
-# `bench transfer --sections perdesc`) would reach ~5% of its copy.
+# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
+# its median run), so that NIXL's split by descriptor count (layout.cut_long_runs) leaves each
+# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
+# (2-4 µs over cma, `bench transfer --sections perdesc`) would reach ~5% of its copy.
 RUN_PIECES_PER_THREAD = 8
 MIN_RUN_PIECE_BYTES = 256 << 10
 
@@ -134,8 +134,8 @@ class NixlTransport:
         # UCX's worker threads post and copy; without them a DRAM READ copies inside the post.
         threaded = num_threads > 0 and "UCX" in backends
         self.copies_in_post = mem_type == "DRAM" and not threaded
-        # Pieces a READ's long runs are cut into so that every worker thread gets a share.
-        self._run_pieces = RUN_PIECES_PER_THREAD * num_threads if threaded and num_threads > 1 else 1
+        # Worker threads a READ is spread over (layout.cut_long_runs, layout.thread_slices).
+        self._threads = num_threads if threaded else 1
         # Backends are created here, not by nixl_agent, which passes UCX nothing but num_threads.
         config = nixl_agent_config(
             enable_prog_thread=progress_thread, backends=[], capture_telemetry=capture_telemetry
@@ -252,8 +252,18 @@ class NixlTransport:
         peer = self._peers[key]
         local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
         return layout.cut_long_runs(
-            local_idx, remote_idx, peer.local_rows, peer.rows, self._run_pieces, MIN_RUN_PIECE_BYTES
+            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, RUN_PIECES_PER_THREAD,
+            MIN_RUN_PIECE_BYTES,
         )
+
+    def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
+        """``ChunkedRead`` bounds for a planned READ: where the post copies (DRAM without worker
+        threads), slices of at most ``chunk_bytes``; through worker threads one slice, or two
+        when NIXL would otherwise queue a chunk behind a thread's copy (``layout.thread_slices``)."""
+        peer = self._peers[key]
+        if self.copies_in_post:
+            return layout.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
+        return layout.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
 
     def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
         """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
@@ -264,9 +274,6 @@ class NixlTransport:
         """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
         peer = self._peers[key]
         return layout.merged_ranges(local_idx, remote_idx, peer.local_rows, peer.rows)
-
-    def descriptor_bytes(self, key: str, local_idx: np.ndarray) -> np.ndarray:
-        return self._peers[key].local_rows.nbytes_of(local_idx)
 
     def read(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes):
         """Post one READ (remote -> local) with a completion notification to the remote

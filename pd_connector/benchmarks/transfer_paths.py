@@ -1,10 +1,12 @@
 """The ways the transfer benchmark moves one request's bytes, plus first-request cost.
 
   connector  exactly what ``pd_connector/receiver.py`` does per request: ``NixlTransport.plan``
-             -> ``layout.chunk_bounds`` -> ``ChunkedRead`` (prepared lists, slices of
-             ``nixl_read_chunk_mib`` over DRAM, notification on the last) polled to DONE.
+             -> ``read_slices`` -> ``ChunkedRead`` (prepared lists; slices of
+             ``nixl_read_chunk_mib`` where the post copies, else one post through the worker
+             threads; notification on the last) polled to DONE.
   raw        the same agents and registrations, the same number of bytes as ONE descriptor
              (prepared once, like the connector's lists): make_prepped_xfer + transfer + poll.
+  raw_threads  the same, as one descriptor per worker thread.
   memcpy     ``torch`` ``copy_`` of the same number of bytes between the same two buffers
              (CPU: one torch thread, like UCX's single-copy cma; CUDA: device copy).
   cma_runs   DRAM only, Linux: the kernel call UCX's cma transport makes for each descriptor
@@ -24,7 +26,6 @@ import time
 import numpy as np
 import torch
 
-from pd_connector import layout
 from pd_connector.transport import DONE, FAILED, ChunkedRead, NixlTransport
 
 KEY = "bench-p"
@@ -70,7 +71,7 @@ def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, ke
     engine thread."""
     t0 = time.perf_counter()
     li, ri = d_t.plan(key, pairs)
-    bounds = layout.chunk_bounds(d_t.descriptor_bytes(key, li), chunk_bytes)
+    bounds = d_t.read_slices(key, li, ri, chunk_bytes)
     xfer = ChunkedRead(d_t, key, li, ri, notif, bounds)
     t1 = time.perf_counter()
     longest, deadline = 0.0, t1 + 60.0

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from pd_connector import layout, side_channel
+from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import RecvTask
 from pd_connector.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
@@ -103,7 +103,7 @@ def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice
     p, d = engines("layer_major_dense")
     pairs = CASES["scattered"]
     li, ri = d.transport.plan("p", pairs)
-    bounds = layout.chunk_bounds(d.transport.descriptor_bytes("p", li), chunk_bytes)
+    bounds = d.transport.read_slices("p", li, ri, chunk_bytes)
     xfer = ChunkedRead(d.transport, "p", li, ri, b"req", bounds)
     notified_early = False
     deadline = time.monotonic() + TIMEOUT_S

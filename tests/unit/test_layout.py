@@ -22,6 +22,7 @@ from pd_connector.layout import (
     plan_indices,
     region_offsets,
     strided_descriptors,
+    thread_slices,
 )
 from pd_connector.protocol import LayerRegion
 
@@ -337,18 +338,30 @@ def test_packed_descriptors_copy_exactly_the_bytes_of_per_layer_ones(maps, data)
         # Cut for worker threads: the same pairs in another order, the same copy, no merged run
         # above its share (1/pieces of the bytes, or min_bytes, or one descriptor that cannot be
         # cut), never fewer runs.
-        pieces = data.draw(st.integers(1, 8), label="pieces")
+        threads = data.draw(st.integers(1, 4), label="threads")
+        per_thread = data.draw(st.integers(1, 4), label="pieces per thread")
         min_bytes = data.draw(st.sampled_from([0, 16, 64]), label="min_bytes")
-        ci, cr = cut_long_runs(li, ri, lr, rr, pieces, min_bytes)
+        ci, cr = cut_long_runs(li, ri, lr, rr, threads, per_thread, min_bytes)
         assert sorted(zip(ci.tolist(), cr.tolist())) == sorted(zip(li.tolist(), ri.tolist()))
-        if pieces == 1:
+        if threads == 1:
             assert ci.tolist() == li.tolist() and cr.tolist() == ri.tolist()
         la, ra, nb = merged_ranges(ci, cr, lr, rr)
         assert {int(a) + k: int(b) + k for a, b, n in zip(la, ra, nb) for k in range(int(n))} == per_layer
         assert count_runs(ci, cr, lr, rr) == nb.size >= runs
-        if li.size:
+        if li.size and threads > 1:
             sizes = lr.nbytes_of(li)
-            assert nb.max() <= max(-(-int(sizes.sum()) // pieces), min_bytes, int(sizes.max()))
+            share = -(-int(sizes.sum()) // (threads * per_thread))
+            assert nb.max() <= max(share, min_bytes, int(sizes.max()))
+        # Posting slices through the threads: in order, every descriptor once; a first slice
+        # of a multiple of ``threads`` runs, a second of fewer than ``threads``.
+        bounds = thread_slices(ci, cr, lr, rr, threads)
+        assert [i for a, b in bounds for i in range(a, b)] == list(range(ci.size))
+        slice_runs = [count_runs(ci[a:b], cr[a:b], lr, rr) for a, b in bounds]
+        assert sum(slice_runs) == nb.size
+        if len(bounds) == 2:
+            assert slice_runs[0] % threads == 0 and 0 < slice_runs[1] < threads
+        else:
+            assert not bounds or nb.size <= threads or nb.size % threads == 0
 
 
 def test_block_outer_contiguous_blocks_are_one_descriptor_per_group():
@@ -422,9 +435,35 @@ def test_long_attention_runs_before_short_state_pages_are_cut_so_a_split_by_coun
     rows = descriptor_rows(attn + state, ())
     li, ri = plan_indices([[(b, b) for b in range(1, 9)], [(3, 3)]], rows, rows)
     assert count_runs(li, ri, rows, rows) == 4 + 6
-    ci, cr = cut_long_runs(li, ri, rows, rows, pieces=16)
+    ci, cr = cut_long_runs(li, ri, rows, rows, threads=2, pieces_per_thread=8)
     _, _, sizes = merged_ranges(ci, cr, rows, rows)
     assert sizes.tolist() == [32] * 16 + [32] * 6  # each attention run cut in 4, last piece first
     assert sizes[: sizes.size // 2].sum() == sizes[sizes.size // 2 :].sum()
     # Pieces of one run are listed last first: NIXL cannot merge them back.
     assert ci[:8].tolist() == [li[6], li[7], li[4], li[5], li[2], li[3], li[0], li[1]]
+    assert thread_slices(ci, cr, rows, rows, 2) == [(0, ci.size)]
+
+
+def test_an_odd_run_count_gets_one_more_cut_where_a_run_can_take_it():
+    """3 layers x one contiguous 4-block run, 2 threads: NIXL would cut 3 runs into chunks of
+    one, the third queued behind the first thread's copy. One run is cut once more: 4 runs."""
+    regs = [LayerRegion(f"l{i}", 0, i * 10 * 16, 16, 16, 10) for i in range(3)]
+    rows = descriptor_rows(regs, ())
+    li, ri = plan_indices([[(b, b) for b in range(1, 5)]], rows, rows)
+    assert count_runs(li, ri, rows, rows) == 3
+    ci, cr = cut_long_runs(li, ri, rows, rows, threads=2, pieces_per_thread=1, min_bytes=64)
+    assert count_runs(ci, cr, rows, rows) == 4
+    assert thread_slices(ci, cr, rows, rows, 2) == [(0, 12)]
+
+
+def test_odd_single_descriptor_runs_post_the_last_run_in_a_second_slice():
+    regs = [LayerRegion(f"l{i}", 0, i * 10 * 16, 16, 16, 10) for i in range(3)]
+    rows = descriptor_rows(regs, ())
+    li, ri = plan_indices([[(1, 7)]], rows, rows)  # one block: 3 runs of one descriptor
+    ci, cr = cut_long_runs(li, ri, rows, rows, threads=2)
+    assert ci.tolist() == li.tolist()
+    assert thread_slices(ci, cr, rows, rows, 2) == [(0, 2), (2, 3)]
+    assert thread_slices(ci, cr, rows, rows, 3) == [(0, 3)]  # one run per thread
+    assert thread_slices(ci, cr, rows, rows, 4) == [(0, 3)]  # fewer runs than threads
+    assert thread_slices(ci, cr, rows, rows, 1) == [(0, 3)]
+    assert thread_slices(ci[:0], cr[:0], rows, rows, 2) == []
