@@ -30,11 +30,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     # NIXL's UCX worker threads, each with its own UCX worker: D's READ is split evenly over
     # them and posted asynchronously (transport.backend_params). 2 copied scattered pages at
-    # ~1.5x one descriptor's speed on the 2-core CPU box and keeps the copy off D's engine
-    # thread; idle threads cost nothing measurable (they sleep as the progress thread does).
-    # vLLM's NixlConnector uses 4. 0: no worker threads (over DRAM the post then copies, so
-    # D slices each READ, see nixl_read_chunk_mib).
-    nixl_num_threads: int = 2
+    # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
+    # thread. Opt-in, not the default: a READ through them can wait for the peer to progress
+    # a worker it has not used yet (measured: with P stopped, D's first READ on a new worker
+    # pair never completed), and CI saw one READ between kv_both instances take 73 s
+    # (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post
+    # copies, so D slices each READ, see nixl_read_chunk_mib).
+    nixl_num_threads: int = 0
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
     # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
     # model's; measured ~4% of a core and 2x loopback READ GB/s), 0 over VRAM (NIXL's and vLLM

@@ -130,7 +130,7 @@ class Bench:
                 "block-outer" if block_outer else "layer-outer", "scattered" if scattered else "contiguous",
                 f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
                 self.d_t.count_runs(KEY, li, ri), knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB},
-                load=os.getloadavg()[0],
+                load=os.getloadavg()[0], contig=self.contiguous_runs(pairs),
             )
             if "unpacked" in variants:
                 uli, uri = self.d_t.plan(UNPACKED, pairs)
@@ -163,6 +163,13 @@ class Bench:
                 raw.close()
             self.d_t.close()
             self.p_t.close()
+
+    def contiguous_runs(self, pairs) -> int:
+        """Runs NIXL would merge the plan into before ``layout.cut_long_runs`` cuts them for the
+        worker threads (the benchmark reaches into the transport's peer on purpose)."""
+        peer = self.d_t._peers[KEY]
+        li, ri = layout.plan_indices(pairs, peer.local_rows, peer.rows)
+        return layout.count_runs(li, ri, peer.local_rows, peer.rows)
 
     def once(self, variant, pairs, p_side, d_side, nbytes, raws) -> dict:
         if variant == "memcpy":
@@ -235,7 +242,7 @@ def knob_settings(quick: bool) -> list[tuple[str, int, dict, int | None]]:
     out += [("progress_delay_us=0", default, {}, 0), ("UCX_TLS=tcp", default, {"UCX_TLS": "tcp"}, None),
             ("UCX_TLS=posix,tcp", default, {"UCX_TLS": "posix,tcp"}, None)]
     by_threads = {n: name for name, n, env, delay in out if not env and delay is None}
-    quick_set = (by_threads[0], by_threads.get(default), "UCX_TLS=tcp")
+    quick_set = (by_threads[0], by_threads[2], "UCX_TLS=tcp")
     return [k for k in out if k[0] in quick_set] if quick else out
 
 
@@ -350,13 +357,13 @@ def main(argv=None) -> int:
         data["tables"]["layout"] = print_results(results["layout"], variants, "",
                                                  extra=["unpacked_desc", "unpacked_runs", ("unpacked/c", "unpacked/c", ".2f")])
     if "stall" in args.sections:
+        threads = args.num_threads or 2
         print(f"\n== stall: the longest call into NIXL on D's engine thread; without worker threads the connector "
-              f"slices ({args.chunk_mib} MiB) vs one post per request, then with {args.num_threads} ==", flush=True)
+              f"slices ({args.chunk_mib} MiB) vs one post per request, then with {threads} ==", flush=True)
         variants = ("connector", "one_read", "raw")
         stall_cases = small_block_cases(args, 16384)[: 2 if args.quick else 3]
         results["stall"] = run_section(args, "stall", stall_cases, variants, num_threads=0)
-        if args.num_threads > 0:
-            results["stall"] += run_section(args, "stall", stall_cases, ("connector", "raw"))
+        results["stall"] += run_section(args, "stall", stall_cases, ("connector", "raw"), num_threads=threads)
         data["tables"]["stall"] = print_results(results["stall"], variants, "",
                                                 extra=[("num_threads", "threads", "d"), ("1read_stall", "1-read stall ms", ".1f")])
     knob_rows: list[dict] = []

@@ -23,12 +23,17 @@ class Result:
     layers: str
     nbytes: int
     desc: int  # descriptor indices the connector plans
-    runs: int  # descriptors NIXL moves after its merge (= contiguous runs)
+    runs: int  # descriptors NIXL moves after its merge (contiguous runs, cut for worker threads)
     knobs: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)  # variant -> per-rep seconds
     stages_ms: dict = field(default_factory=dict)  # variant -> median of per-rep stages
     verified: bool = False
     load: float = 0.0
+    contig: int = 0  # contiguous runs before any cut for worker threads (0: not measured)
+
+    def runs_cell(self) -> str:
+        """``runs``, with the contiguous runs it was cut from in brackets where they differ."""
+        return f"{self.runs} ({self.contig})" if self.contig and self.contig != self.runs else str(self.runs)
 
     def median_s(self, v: str) -> float:
         return float(np.median(self.samples[v])) if self.samples.get(v) else 0.0
@@ -57,7 +62,7 @@ def table_rows(results: list[Result], variants) -> list[dict]:
     for r in results:
         bs = str(r.block_size) if r.block_size == r.user_block else f"{r.user_block}>{r.block_size}"
         row = {"model": r.model, "layers": r.layers, "tok": fmt_tokens(r.tokens), "bs": bs, "layout": r.layout,
-               "blocks": r.blocks, "MiB": round(r.nbytes / MiB), "desc": r.desc, "runs": r.runs}
+               "blocks": r.blocks, "MiB": round(r.nbytes / MiB), "desc": r.desc, "runs": r.runs_cell()}
         for v in variants:
             row[v] = r.gbps(v)
         row["c/raw"] = r.ratio("connector", "raw")
@@ -98,7 +103,7 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
     cma = any("cma_runs" in r.samples for r in results)
     threads = any("raw_threads" in r.samples for r in results)
     longest = fmt_tokens(lengths[-1]) if lengths else ""
-    headers = ["model", "bs", "blocks", *[f"c/raw {fmt_tokens(t)}" for t in lengths], f"runs {longest}",
+    headers = ["model", "bs", "blocks", *[f"c/raw {fmt_tokens(t)}" for t in lengths], f"runs (contig) {longest}",
                "conn/raw/memcpy GB/s", *([f"c/raw thr {longest}"] if threads else []),
                *([f"cma runs/one {longest}", f"c/cma runs {longest}"] if cma else []),
                f">= {target} at >= 4k"]
@@ -114,7 +119,7 @@ def summary_table(results: list[Result], target: float = 0.9) -> str:
         rows.append([
             model, bs, blocks,
             *[f"{by_len[t].ratio('connector', 'raw'):.2f}" if t in by_len else "" for t in lengths],
-            last.runs,
+            last.runs_cell(),
             "/".join(f"{last.gbps(v):.1f}" for v in ("connector", "raw", "memcpy")),
             *([f"{last.ratio('connector', 'raw_threads'):.2f}" if "raw_threads" in last.samples else ""] if threads else []),
             *(kernel if cma else []),

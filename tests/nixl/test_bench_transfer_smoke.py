@@ -15,14 +15,14 @@ def test_bench_transfer_main_section_runs_and_reports_the_kernel_ceiling(tmp_pat
     from pd_connector.benchmarks import transfer
 
     argv = ["--models", "llama-8b", "--tokens", "1024", "--blocks", "32", "--sections", "main", "--reps", "1",
-            "--warmup", "0", "--budget-mib", "8", "--out", str(tmp_path)]
+            "--warmup", "0", "--budget-mib", "8", "--num-threads", "2", "--out", str(tmp_path)]
     assert transfer.main(argv) == 0
     data = json.loads((tmp_path / "bench_transfer.json").read_text())
     cases = data["main"]
     assert {c["blocks"] for c in cases} == {"scattered", "contiguous"}
     for case in cases:
         assert case["verified"] and case["block_size"] == 32
-        want = {"connector", "raw", "memcpy", "raw_threads"}  # the connector's default: 2 worker threads
+        want = {"connector", "raw", "memcpy", "raw_threads"}  # raw_threads: with worker threads only
         want |= {"cma_runs", "cma_one"} if sys.platform.startswith("linux") else set()
         assert set(case["samples"]) == want
         assert case["knobs"]["num_threads"] == 2

@@ -139,16 +139,9 @@ COMPAT = EngineCompat(
 )
 
 
-@pytest.mark.parametrize("answered", ["in_background", "before_submit_returns"])
-def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines, free_port, answered):
-    """Two requests of several slices each: each Receiver.advance() posts at most one slice in
-    total, both finish with the right bytes, and P gets exactly one notification each.
-
-    ``before_submit_returns``: side-channel calls run inline, as a fast P on an idle thread can
-    answer before ``submit`` returns: the claim and transfer times must still be measured from
-    the moment the claim was sent (a claim stamped after submit once timed negative in CI)."""
-    p, d = engines("layer_major_dense")
-    d.transport.remove_peer("p")
+def granting_side_channel(p, port: int) -> side_channel.SideChannelServer:
+    """P's side channel as a Receiver needs it: it welcomes D (as engine "p"), grants every
+    claim and acknowledges every release."""
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
 
     def serve(message):
@@ -160,7 +153,20 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
             return Ack()
         return Reject(reason="unexpected")
 
-    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    return side_channel.SideChannelServer("127.0.0.1", port, serve)
+
+
+@pytest.mark.parametrize("answered", ["in_background", "before_submit_returns"])
+def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines, free_port, answered):
+    """Two requests of several slices each: each Receiver.advance() posts at most one slice in
+    total, both finish with the right bytes, and P gets exactly one notification each.
+
+    ``before_submit_returns``: side-channel calls run inline, as a fast P on an idle thread can
+    answer before ``submit`` returns: the claim and transfer times must still be measured from
+    the moment the claim was sent (a claim stamped after submit once timed negative in CI)."""
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    server = granting_side_channel(p, free_port)
     # 4 KiB pages: 8 KiB slices = two descriptors each.
     settings = ConnectorSettings(nixl_read_chunk_mib=0)
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)

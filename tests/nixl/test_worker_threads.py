@@ -14,14 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from pd_connector import layout, side_channel
+from pd_connector import layout
 from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import RecvTask
-from pd_connector.protocol import Ack, Claim, Granted, Hello, Reject, Release, Welcome
 from pd_connector.receiver import Receiver
 from pd_connector.transport import DONE, PENDING, ChunkedRead
 
-from test_chunked_read import COMPAT
+from test_chunked_read import COMPAT, granting_side_channel
 from test_transport import (
     ATTN,
     KINDS,
@@ -62,6 +61,15 @@ def threaded():
     for p, d in made.values():
         d.transport.close()
         p.transport.close()
+
+
+def wait_states(transport, handle) -> None:
+    """Poll one READ to DONE (fail on ERR or timeout); the caller releases it."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while (state := transport.state(handle)) == PENDING:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert state == DONE
 
 
 def test_worker_threads_do_not_copy_inside_the_post(threaded):
@@ -108,10 +116,7 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
                 d.transport.state(handle)  # D's engine polls, as the connector does
             assert heard == [notif]
             assert_bytes(d, want)  # at the moment P heard
-            while (state := d.transport.state(handle)) == PENDING:
-                assert time.monotonic() < deadline
-                time.sleep(0.0005)
-            assert state == DONE
+            wait_states(d.transport, handle)
         finally:
             d.transport.release(handle)
 
@@ -136,14 +141,6 @@ def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(th
     want, _ = expected_after(d, p, pairs)
     assert_bytes(d, want)
     assert collect_notifications(p.transport, 1) == {b"cut": 1}
-
-
-def wait_states(transport, handle) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while (state := transport.state(handle)) == PENDING:
-        assert time.monotonic() < deadline
-        time.sleep(0.0005)
-    assert state == DONE
 
 
 def test_an_odd_run_count_is_posted_in_two_slices_notifying_once_after_the_last(threaded):
@@ -191,18 +188,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
     post through worker threads copies nothing, so it is one post (two at most, see
     ``layout.thread_slices``), never MiB slices: 600 blocks x 2 layers of 4 KiB would be 5."""
     p, d = threaded("layer_major_dense", BIG_BLOCKS)
-    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-
-    def serve(message):
-        if isinstance(message, Hello):
-            return welcome
-        if isinstance(message, Claim):
-            return Granted(lease_seconds=30.0)
-        if isinstance(message, Release):
-            return Ack()
-        return Reject(reason="unexpected")
-
-    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    server = granting_side_channel(p, free_port)
     d.transport.remove_peer("p")
     receiver = Receiver(d.transport, ConnectorSettings(nixl_read_chunk_mib=1), "d", COMPAT, None)
     try:

@@ -30,6 +30,14 @@ def test_a_length_of_4k_or_more_below_the_target_fails_the_row_and_shorter_ones_
     assert by["scattered"][5] == "64" and by["contiguous"][5] == "2", "runs at the longest length"
 
 
+def test_runs_cut_for_worker_threads_show_the_contiguous_runs_they_came_from():
+    r = result(4096, "contiguous", 1.0)
+    r.runs, r.contig = 18, 6
+    assert rows(summary_table([r]))["contiguous"][4] == "18 (6)"
+    r.runs = r.contig = 6
+    assert rows(summary_table([r]))["contiguous"][4] == "6"
+
+
 def test_the_verdict_follows_the_ratio_as_printed():
     """0.8996 prints as 0.90: the row must not say NO next to a 0.90 it shows."""
     by = rows(summary_table([result(4096, "scattered", 1.0 / 0.8996)]))
@@ -63,7 +71,7 @@ def test_with_worker_threads_the_summary_shows_the_connector_against_one_descrip
     assert "c/raw thr" not in summary_table([result(4096, "scattered", 1.0)])
 
 
-def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_and_the_default():
+def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_and_two():
     from pd_connector.benchmarks.transfer import knob_settings
     from pd_connector.config import ConnectorSettings
 
@@ -74,4 +82,4 @@ def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_an
     # Every other setting is measured on top of the default thread count.
     assert all(threads == default for name, threads, env, delay in full if not name.startswith("num_threads="))
     quick = [name for name, *_ in knob_settings(quick=True)]
-    assert quick == ["num_threads=0", f"num_threads={default} (default)", "UCX_TLS=tcp"]
+    assert quick[0].startswith("num_threads=0") and quick[1].startswith("num_threads=2") and quick[2] == "UCX_TLS=tcp"

@@ -31,7 +31,7 @@ def test_defaults():
     assert s.handshake_timeout_seconds == 10.0
     assert s.load_failure_policy == "recompute"
     assert s.nixl_backends == ["UCX"]
-    assert s.nixl_num_threads == 2
+    assert s.nixl_num_threads == 0
     assert s.shared_secret_file == ""
     assert s.verify_state_digest is False
     assert s.claim_wait_seconds == 5.0
