@@ -85,7 +85,8 @@ class Receiver:
         self._state_digest = state_digest
         self._corrupt_state = corrupt_state
         self.recorder = Recorder()
-        # Over VRAM a post is asynchronous: slicing would only add round trips.
+        # Only where the post itself copies (transport.copies_in_post) is a READ sliced by size;
+        # NixlTransport.read_slices decides.
         self._chunk_bytes = settings.nixl_read_chunk_mib * MiB
         self._group_page_bytes: dict[int, int] = {}
         for region in transport.regions:

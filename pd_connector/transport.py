@@ -94,7 +94,8 @@ def backend_params(backend: str, num_threads: int) -> dict[str, str]:
     stayed on D's engine thread and a 2-thread pool copied a 2k-descriptor READ on one thread.
     1 splits every READ evenly over the threads: the post returns in well under a millisecond
     and the copies run side by side (scattered 128 KiB pages on the 2-core box: 6-7 GB/s with 2
-    threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md#performance)."""
+    threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md, "Worker
+    threads")."""
     if num_threads <= 0:
         return {}
     if backend == "UCX":

@@ -1,9 +1,9 @@
-"""READs through NIXL's UCX worker threads (``nixl_num_threads`` > 0, the connector's default):
-the thread-pool engine splits each READ over the threads (``transport.backend_params`` sets
-``split_batch_size`` 1) and posts it asynchronously. The bytes must be exactly the paired
-pages, P must hear of a READ only once every chunk has landed (it frees its blocks on that
-notification), and D's Receiver must post each READ whole instead of slicing it. Real NIXL,
-UCX over DRAM, loopback.
+"""READs through NIXL's UCX worker threads (``nixl_num_threads`` > 0, opt-in): the thread-pool
+engine splits each READ over the threads (``transport.backend_params`` sets ``split_batch_size``
+1) and posts it asynchronously. The bytes must be exactly the paired pages, P must hear of a
+READ only once every chunk has landed (it frees its blocks on that notification), and D's
+Receiver must post each READ in one post (two at most, ``layout.thread_slices``) instead of
+slicing it by size. Real NIXL, UCX over DRAM, loopback.
 """
 
 from __future__ import annotations
