@@ -33,8 +33,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
     # thread. Opt-in, not the default: a READ through them can wait for the peer to progress
     # a worker it has not used yet (measured: with P stopped, D's first READ on a new worker
-    # pair never completed), and CI saw one READ between kv_both instances take 73 s
-    # (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post
+    # pair never completed), and READs between kv_both instances of the speculative test
+    # matrix stalled 4-73 s in two of three runs (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post
     # copies, so D slices each READ, see nixl_read_chunk_mib).
     nixl_num_threads: int = 0
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:

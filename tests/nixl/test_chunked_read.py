@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import pytest
 
@@ -15,7 +16,7 @@ from pd_connector.config import ConnectorSettings
 from pd_connector.metadata import RecvTask
 from pd_connector.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
 from pd_connector.receiver import Receiver
-from pd_connector.transport import DONE, FAILED, PENDING, ChunkedRead, NixlTransport
+from pd_connector.transport import DONE, FAILED, PENDING, ChunkedRead
 
 from test_transport import (
     ATTN,
@@ -37,30 +38,37 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def engines():
-    """kind -> (P, D with a telemetry-capturing agent, peered with P as "p")."""
+@contextmanager
+def peered_pairs(seed: int, **transport_kw):
+    """``get(kind, num_blocks=None) -> (P, D)``, made once per (kind, size) with these transport
+    settings: D's agent records NIXL's per-transfer telemetry and is peered with P as "p"; every
+    call zeroes D and drains P's notifications. Closes them all on exit."""
     made = {}
 
-    def get(kind):
-        if kind not in made:
-            p = make_engine(kind, P_BLOCKS, seed=77)
-            d = make_engine(kind, 56, seed=None)
-            # Swap D's transport for one that records NIXL's per-transfer telemetry.
-            d.transport.close()
-            d.transport = NixlTransport(capture_telemetry=True)
-            d.transport.register([(d.buf.data_ptr(), d.placement.nbytes, 0)], d.regions)
+    def get(kind, num_blocks=None):
+        if (kind, num_blocks) not in made:
+            p = make_engine(kind, num_blocks or P_BLOCKS, seed=seed, **transport_kw)
+            d = make_engine(kind, num_blocks or 56, seed=None, capture_telemetry=True, **transport_kw)
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
-            made[kind] = (p, d)
-        p, d = made[kind]
+            made[kind, num_blocks] = (p, d)
+        p, d = made[kind, num_blocks]
         d.mem[:] = 0
         p.transport.take_notifications()
         return p, d
 
-    yield get
-    for p, d in made.values():
-        d.transport.close()
-        p.transport.close()
+    try:
+        yield get
+    finally:
+        for p, d in made.values():
+            d.transport.close()
+            p.transport.close()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """kind -> (P, D with a telemetry-capturing agent, peered with P as "p")."""
+    with peered_pairs(seed=77) as get:
+        yield get
 
 
 def read_merged_count(d, li, ri, notif: bytes) -> int:

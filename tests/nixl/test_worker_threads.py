@@ -20,7 +20,7 @@ from pd_connector.metadata import RecvTask
 from pd_connector.receiver import Receiver
 from pd_connector.transport import DONE, PENDING, ChunkedRead
 
-from test_chunked_read import COMPAT, granting_side_channel
+from test_chunked_read import COMPAT, granting_side_channel, peered_pairs
 from test_transport import (
     ATTN,
     KINDS,
@@ -30,7 +30,6 @@ from test_transport import (
     assert_bytes,
     collect_notifications,
     expected_after,
-    make_engine,
     wait_done,
 )
 
@@ -42,25 +41,9 @@ BIG_BLOCKS = 2048  # 2 x 8 MiB of attention pages: thousands of descriptors per 
 
 @pytest.fixture(scope="module")
 def threaded():
-    """kind -> (P, D), both with worker threads; D zeroed and peered with P as "p"."""
-    made = {}
-
-    def get(kind, num_blocks=None):
-        key = (kind, num_blocks)
-        if key not in made:
-            p = make_engine(kind, num_blocks or 40, seed=4321, num_threads=THREADS)
-            d = make_engine(kind, num_blocks or 56, seed=None, num_threads=THREADS, capture_telemetry=True)
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
-            made[key] = (p, d)
-        p, d = made[key]
-        d.mem[:] = 0
-        p.transport.take_notifications()
-        return p, d
-
-    yield get
-    for p, d in made.values():
-        d.transport.close()
-        p.transport.close()
+    """kind[, num_blocks] -> (P, D), both with worker threads; D zeroed and peered with P as "p"."""
+    with peered_pairs(seed=4321, num_threads=THREADS) as get:
+        yield get
 
 
 def wait_states(transport, handle) -> None:
