@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pd_connector import layout
+from pd_connector import layout, read_posting
 from pd_connector.protocol import LayerRegion
 
 logger = logging.getLogger("vllm.pd_connector")
@@ -41,7 +41,7 @@ def _import_nixl():
 _AGENT_CREATION = threading.Lock()
 
 # With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
-# its median run), so that NIXL's split by descriptor count (layout.cut_long_runs) leaves each
+# its median run), so that NIXL's split by descriptor count (read_posting.cut_long_runs) leaves each
 # thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
 # (2-4 µs over cma, `bench transfer --sections perdesc`) would reach ~5% of its copy.
 RUN_PIECES_PER_THREAD = 8
@@ -135,7 +135,7 @@ class NixlTransport:
         # UCX's worker threads post and copy; without them a DRAM READ copies inside the post.
         threaded = num_threads > 0 and "UCX" in backends
         self.copies_in_post = mem_type == "DRAM" and not threaded
-        # Worker threads a READ is spread over (layout.cut_long_runs, layout.thread_slices).
+        # Worker threads a READ is spread over (read_posting.cut_long_runs, read_posting.thread_slices).
         self._threads = num_threads if threaded else 1
         # Backends are created here, not by nixl_agent, which passes UCX nothing but num_threads.
         config = nixl_agent_config(
@@ -249,10 +249,10 @@ class NixlTransport:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Descriptor indices (local, remote) for per-group (remote block, local block) pairs;
         with several worker threads, long runs cut so that each thread gets a share
-        (``layout.cut_long_runs``)."""
+        (``read_posting.cut_long_runs``)."""
         peer = self._peers[key]
         local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
-        return layout.cut_long_runs(
+        return read_posting.cut_long_runs(
             local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, RUN_PIECES_PER_THREAD,
             MIN_RUN_PIECE_BYTES,
         )
@@ -260,11 +260,11 @@ class NixlTransport:
     def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
         """``ChunkedRead`` bounds for a planned READ: where the post copies (DRAM without worker
         threads), slices of at most ``chunk_bytes``; through worker threads one slice, or two
-        when NIXL would otherwise queue a chunk behind a thread's copy (``layout.thread_slices``)."""
+        when NIXL would otherwise queue a chunk behind a thread's copy (``read_posting.thread_slices``)."""
         peer = self._peers[key]
         if self.copies_in_post:
-            return layout.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
-        return layout.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
+            return read_posting.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
+        return read_posting.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
 
     def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
         """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""

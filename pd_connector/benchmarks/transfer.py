@@ -165,7 +165,7 @@ class Bench:
             self.p_t.close()
 
     def contiguous_runs(self, pairs) -> int:
-        """Runs NIXL would merge the plan into before ``layout.cut_long_runs`` cuts them for the
+        """Runs NIXL would merge the plan into before ``read_posting.cut_long_runs`` cuts them for the
         worker threads (the benchmark reaches into the transport's peer on purpose)."""
         peer = self.d_t._peers[KEY]
         li, ri = layout.plan_indices(pairs, peer.local_rows, peer.rows)

@@ -10,10 +10,8 @@ from hypothesis import strategies as st
 from pd_connector.layout import (
     LayoutError,
     check_matching,
-    chunk_bounds,
     common_packing,
     count_runs,
-    cut_long_runs,
     descriptor_indices,
     descriptor_rows,
     group_regions,
@@ -22,9 +20,9 @@ from pd_connector.layout import (
     plan_indices,
     region_offsets,
     strided_descriptors,
-    thread_slices,
 )
 from pd_connector.protocol import LayerRegion
+from pd_connector.read_posting import chunk_bounds, cut_long_runs, thread_slices
 
 SETTINGS = settings(max_examples=120, deadline=None)
 
