@@ -31,11 +31,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # NIXL's UCX worker threads, each with its own UCX worker: D's READ is split evenly over
     # them and posted asynchronously (transport.backend_params). 2 copied scattered pages at
     # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
-    # thread. Opt-in, not the default: a READ through them can wait for the peer to progress
-    # a worker it has not used yet (measured: with P stopped, D's first READ on a new worker
-    # pair never completed), and READs between kv_both instances of the speculative test
-    # matrix stalled 4-73 s in two of three runs (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post
-    # copies, so D slices each READ, see nixl_read_chunk_mib).
+    # thread. Opt-in, not the default: between the kv_both instances of the speculative test
+    # matrix, D's first READ from a new P through them stalled (the post held D's engine thread
+    # 2-87 s, or the READ did not complete for 15-105 s) in 4 of 9 reruns, unexplained
+    # (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post copies,
+    # so D slices each READ, see nixl_read_chunk_mib).
     nixl_num_threads: int = 0
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
     # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
@@ -63,6 +63,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # How long D keeps re-asking P for a lease that is still on its way from P's scheduler to
     # its worker (D's claim can overtake it by an engine step).
     claim_wait_seconds: float = 5.0
+    # D warns (once per request, event `read_slow`) when a READ has been in flight this long.
+    # A warning, not a timeout: NIXL 1.5.1 cannot cancel a posted READ safely (a late copy could
+    # land in blocks D has reused), so D keeps waiting. With 0 worker threads the slowest READ of
+    # the CI matrices was ~0.35 s; a READ past this points at the transport (docs/operations.md,
+    # "Slow READs").
+    read_warn_seconds: float = 5.0
 
     # Filled by parse_settings from the file or the environment; excluded from repr.
     secret: bytes = msgspec.field(default=b"", name="_secret")
@@ -80,7 +86,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port={self.side_channel_port} is not a TCP port")
-        for name in ("lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds"):
+        for name in ("lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds", "read_warn_seconds"):
             value = getattr(self, name)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.
             if not (value > 0 and math.isfinite(value)):

@@ -55,7 +55,8 @@ class ReleaseTask:
 
 @dataclass
 class ExtendTask:
-    """D: ask P to extend the leases of requests still waiting for admission on D."""
+    """D: ask P to extend the leases of requests still waiting for admission on D (scheduler) or
+    still loading (receiver)."""
 
     remote_host: str
     remote_port: int

@@ -6,7 +6,9 @@ The payload is a plain dict (vLLM ships it between processes): sample lists per 
 event counts. Events are stable labels: ``refused:<kind>`` (D refused P's offset),
 ``load_failed:<reason>``, ``claim_refused:<outcome>`` (on P), ``lease_expired``,
 ``handoff_offered``, ``handoff_accepted``, ``side_channel_rejected:<kind>``,
-``rejected_before_engine`` (vLLM's stand-in for a request D's serving layer rejected).
+``rejected_before_engine`` (vLLM's stand-in for a request D's serving layer rejected),
+``read_slow`` (a READ in flight past ``read_warn_seconds``), ``nixl_call_slow`` (a NIXL call
+that held D's engine thread over a second).
 """
 
 from __future__ import annotations

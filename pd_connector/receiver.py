@@ -48,6 +48,9 @@ logger = logging.getLogger("vllm.pd_connector")
 MiB = 1 << 20
 # Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms).
 CLAIM_PARK_S = 1.0
+# A post or poll of a READ that holds D's engine thread longer than this is reported
+# (``nixl_call_slow``): a post copies a 32 MiB slice in ~10 ms, a poll takes microseconds.
+SLOW_NIXL_CALL_S = 1.0
 # Threads making side-channel calls (handshakes, claims, releases, extensions).
 _SIDE_CHANNEL_THREADS = 4
 
@@ -61,6 +64,7 @@ class _Read:
     descriptors: int
     digest: bytes
     nbytes: int
+    warned: bool = False  # read_slow reported
 
 
 def _release_of(task: RecvTask) -> ReleaseTask:
@@ -104,6 +108,7 @@ class Receiver:
         self._waiting: dict[str, RecvTask] = {}
         self._claims: dict[str, tuple[RecvTask, Future, float]] = {}
         self._reads: dict[str, _Read] = {}
+        self._last_extend = time.monotonic()
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
 
@@ -132,6 +137,28 @@ class Receiver:
         self._start_claims()
         self._start_reads()
         self._poll_reads()
+        self._extend_in_flight()
+
+    def _extend_in_flight(self) -> None:
+        """Every third of a lease, ask each P to extend the leases of this instance's requests
+        still between admission and a finished READ. The claim extends a lease once; a READ
+        that outlives it would otherwise copy blocks P has freed and reused (a stalled READ
+        cannot be cancelled, see ``_report_slow_read``). The scheduler extends the requests
+        still waiting for admission (``SchedulerHalf._due_extensions``)."""
+        now = time.monotonic()
+        if now - self._last_extend < self.settings.lease_seconds / 3:
+            return
+        self._last_extend = now
+        tasks = [
+            *self._waiting.values(),
+            *(task for task, _, _ in self._claims.values()),
+            *(read.task for read in self._reads.values()),
+        ]
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        for task in tasks:
+            by_peer.setdefault((task.remote_host, task.remote_port), []).append(task.remote_request_id)
+        for (host, port), ids in by_peer.items():
+            self.extend(ExtendTask(host, port, ids))
 
     def take_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished, set(self.failed)
@@ -223,9 +250,16 @@ class Receiver:
         for request_id, read in list(self._reads.items()):
             may_post = not (self.transport.copies_in_post and self._chunk_bytes) or budget > 0
             posted = read.xfer.next
+            called = time.monotonic()
             state = read.xfer.advance(may_post)
+            now = time.monotonic()
             budget -= read.xfer.next - posted
+            if now - called > SLOW_NIXL_CALL_S:
+                self._report_slow_call(request_id, read, now - called)
             if state == PENDING:
+                if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
+                    read.warned = True
+                    self._report_slow_read(request_id, read, now - read.read_started)
                 continue
             del self._reads[request_id]
             if read.task.corrupt_state and self._corrupt_state is not None:
@@ -250,6 +284,35 @@ class Receiver:
                     read.descriptors,
                     (now - read.started) * 1e3,
                 )
+
+    def _report_slow_call(self, request_id: str, read: _Read, seconds: float) -> None:
+        # The engine thread itself was held: every request on this instance waited.
+        self.recorder.count("nixl_call_slow")
+        logger.warning(
+            "pd_connector: a NIXL call for %s (READ from %s, slice %d of %d) held the engine "
+            "thread for %.2f s (nixl_num_threads=%d; see docs/operations.md, \"Slow READs\")",
+            request_id,
+            read.task.remote_engine_id,
+            read.xfer.next,
+            read.xfer.slices,
+            seconds,
+            self.settings.nixl_num_threads,
+        )
+
+    def _report_slow_read(self, request_id: str, read: _Read, seconds: float) -> None:
+        self.recorder.count("read_slow")
+        logger.warning(
+            "pd_connector: READ for %s from %s still in flight after %.1f s (%d descriptors, "
+            "%d of %d slices posted, nixl_num_threads=%d); still waiting, a posted READ cannot "
+            "be cancelled safely (see docs/operations.md, \"Slow READs\")",
+            request_id,
+            read.task.remote_engine_id,
+            seconds,
+            read.descriptors,
+            read.xfer.next,
+            read.xfer.slices,
+            self.settings.nixl_num_threads,
+        )
 
     def _fail(self, request_id: str, why: str, kind: str) -> None:
         self.recorder.count(f"load_failed:{kind}")

@@ -264,3 +264,109 @@ def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
         server.close()
         if not d.transport.has_peer("p"):
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+
+
+def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_finishes(
+    engines, free_port, monkeypatch, caplog
+):
+    """Worker-thread READs were seen to hang for 2-105 s at the first READ from a new P, either
+    inside the post (D's engine thread held) or posted and not completing (docs/operations.md,
+    "Slow READs"). Neither can be cancelled safely, so D reports them, once each, and keeps
+    polling: here the post is slowed and NIXL's state held at PENDING past read_warn_seconds,
+    then released; the request must finish with the right bytes."""
+    import pd_connector.receiver as receiver_mod
+
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    server = granting_side_channel(p, free_port)
+    receiver = Receiver(d.transport, ConnectorSettings(read_warn_seconds=0.2), "d", COMPAT, None)
+    monkeypatch.setattr(receiver_mod, "SLOW_NIXL_CALL_S", 0.05)
+    real_read, real_state = d.transport.read, d.transport.state
+    stalled_until = []
+
+    def slow_read(*args):
+        time.sleep(0.1)
+        stalled_until.append(time.monotonic() + 0.5)
+        return real_read(*args)
+
+    def stalled_state(handle):
+        return PENDING if time.monotonic() < stalled_until[-1] else real_state(handle)
+
+    monkeypatch.setattr(d.transport, "read", slow_read)
+    monkeypatch.setattr(d.transport, "state", stalled_state)
+    pairs = [[(1, 3), (7, 9)], [(3, 11)]]
+    try:
+        with caplog.at_level("WARNING", logger="vllm.pd_connector"):
+            receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", pairs, 16, 15, [[1]]))
+            deadline = time.monotonic() + TIMEOUT_S
+            finished: set[str] = set()
+            while not finished:
+                receiver.advance()
+                finished, failed = receiver.take_results()
+                assert not failed
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        want, _ = expected_after(d, p, pairs)
+        assert_bytes(d, want)
+        totals = receiver.recorder.totals
+        assert totals["read_slow"] == 1 and totals["nixl_call_slow"] == 1
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("still in flight" in m and "r1" in m for m in messages) == 1
+        assert sum("held the engine thread" in m for m in messages) == 1
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+
+
+def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_port, monkeypatch):
+    """Regression: the claim extended P's lease once and nothing extended it while D read, so a
+    READ stalled past lease_seconds (stalls of 105 s were seen, the default lease is 120 s)
+    would have copied blocks P had freed and reused. D now asks P to extend the leases of its
+    requests in flight every third of a lease, until the READ is done."""
+    from pd_connector.protocol import Extend
+
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    extended: list[tuple[float, list[str]]] = []
+
+    def serve(message):
+        if isinstance(message, Hello):
+            return welcome
+        if isinstance(message, Claim):
+            return Granted(lease_seconds=0.6)
+        if isinstance(message, Extend):
+            extended.append((time.monotonic(), list(message.request_ids)))
+        return Ack()
+
+    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    receiver = Receiver(d.transport, ConnectorSettings(lease_seconds=0.6), "d", COMPAT, None)
+    real_state = d.transport.state
+    release_at = time.monotonic() + 1.5
+    monkeypatch.setattr(d.transport, "state", lambda h: PENDING if time.monotonic() < release_at else real_state(h))
+    try:
+        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
+        deadline = time.monotonic() + TIMEOUT_S
+        finished: set[str] = set()
+        while not finished:
+            receiver.advance()
+            finished, failed = receiver.take_results()
+            assert not failed and time.monotonic() < deadline
+            time.sleep(0.01)
+        done_at = time.monotonic()
+        time.sleep(0.3)  # extensions still queued on the side-channel threads land
+        during = [ids for at, ids in extended if at < done_at]
+        assert len(during) >= 3 and all(ids == ["P-r1"] for ids in during)
+        # Once the READ is done, nothing asks P to keep the lease.
+        receiver.advance()
+        time.sleep(0.4)
+        receiver.advance()
+        time.sleep(0.3)
+        assert all(at < done_at + 0.3 for at, _ in extended)
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)

@@ -35,6 +35,7 @@ def test_defaults():
     assert s.shared_secret_file == ""
     assert s.verify_state_digest is False
     assert s.claim_wait_seconds == 5.0
+    assert s.read_warn_seconds == 5.0
     assert s.secret == b""
     assert parse({}) == parse(None)
 
@@ -57,6 +58,7 @@ def test_defaults_do_not_share_mutable_lists():
         ("nixl_num_threads", 4),
         ("verify_state_digest", True),
         ("claim_wait_seconds", 0.5),
+        ("read_warn_seconds", 30.0),
     ],
 )
 def test_each_key_is_honoured(key, value):
@@ -76,6 +78,7 @@ def test_each_key_is_honoured(key, value):
         ("verify_state_digest", "true", True),
         ("verify_state_digest", "0", False),
         ("claim_wait_seconds", "1.5", 1.5),
+        ("read_warn_seconds", "2", 2.0),
     ],
 )
 def test_env_override(key, env_value, expected):
@@ -217,6 +220,7 @@ def test_string_port_in_config_is_refused():
         ("handshake_timeout_seconds", -5),
         ("claim_wait_seconds", 0),
         ("claim_wait_seconds", -0.5),
+        ("read_warn_seconds", 0),
         ("nixl_num_threads", -1),
         ("nixl_backends", []),
         ("nixl_backends", [""]),
@@ -301,7 +305,7 @@ def test_port_range(port):
             parse({"side_channel_port": port})
 
 
-DURATIONS = ["lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds"]
+DURATIONS = ["lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds", "read_warn_seconds"]
 
 
 @pytest.mark.parametrize("key", DURATIONS)
