@@ -33,7 +33,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
     # thread. Opt-in, not the default: between the kv_both instances of the speculative test
     # matrix, D's first READ from a new P through them stalled (the post held D's engine thread
-    # 2-87 s, or the READ did not complete for 15-105 s) in 4 of 9 reruns, unexplained
+    # 2-87 s, or the READ did not complete for 15-105 s) in 4 of 10 reruns, unexplained
     # (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post copies,
     # so D slices each READ, see nixl_read_chunk_mib).
     nixl_num_threads: int = 0
