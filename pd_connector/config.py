@@ -33,10 +33,19 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
     # thread. Opt-in, not the default: between the kv_both instances of the speculative test
     # matrix, D's first READ from a new P through them stalled (the post held D's engine thread
-    # 2-87 s, or the READ did not complete for 15-105 s) in 4 of 10 reruns, unexplained
-    # (docs/operations.md, "Worker threads"). 0: no worker threads (over DRAM the post copies,
-    # so D slices each READ, see nixl_read_chunk_mib).
+    # 2-87 s, or the READ did not complete for 15-105 s) in 5 of 12 reruns, and none of 10 with
+    # nixl_ucx_error_handling "none" (docs/operations.md, "Worker threads"). 0: no worker
+    # threads (over DRAM the post copies, so D slices each READ, see nixl_read_chunk_mib).
     nixl_num_threads: int = 0
+    # UCX endpoints' error handling ("peer", NIXL's default, or "none"). It also picks UCX's
+    # lanes: under "peer" only transports that detect peer failure qualify, so on one host
+    # active messages and connection set-up go over tcp; "none" lets shared memory carry them.
+    # With worker threads, "none" made the first-READ stalls of nixl_num_threads go away in the
+    # speculative matrix (0 in 10 reruns, against 5 in 12 with "peer"; docs/operations.md,
+    # "Worker threads"), and a dead P was still reported (NIXL_ERR_REMOTE_DISCONNECT, over
+    # DRAM/cma, before and during a READ). Keep "peer" across hosts: UCX promises no failure
+    # report under "none", so a dead remote peer may hang or abort a READ (not measured here).
+    nixl_ucx_error_handling: str = "peer"
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
     # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
     # model's; measured ~4% of a core and 2x loopback READ GB/s), 0 over VRAM (NIXL's and vLLM
@@ -97,6 +106,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"nixl_progress_delay_us must be between 0 and 1000000, got {self.nixl_progress_delay_us}")
         if self.nixl_read_chunk_mib < 0:
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
+        if self.nixl_ucx_error_handling not in ("peer", "none"):
+            raise ValueError(f"nixl_ucx_error_handling must be 'peer' or 'none', got {self.nixl_ucx_error_handling!r}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
         if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):

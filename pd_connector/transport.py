@@ -83,8 +83,10 @@ def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
             api.nixlBind = bind
 
 
-def backend_params(backend: str, num_threads: int) -> dict[str, str]:
-    """Init parameters for one NIXL backend with ``num_threads`` worker threads (0: none).
+def backend_params(backend: str, num_threads: int, ucx_error_handling: str = "peer") -> dict[str, str]:
+    """Init parameters for one NIXL backend with ``num_threads`` worker threads (0: none)
+    and, for UCX, the endpoints' error-handling mode (NIXL's own default, ``peer``, is left
+    implicit).
 
     UCX with threads runs ``nixlUcxThreadPoolEngine`` (NIXL plugins/ucx/ucx_backend.cpp): a
     transfer of at least ``split_batch_size`` descriptors goes out in chunks of
@@ -96,13 +98,15 @@ def backend_params(backend: str, num_threads: int) -> dict[str, str]:
     and the copies run side by side (scattered 128 KiB pages on the 2-core box: 6-7 GB/s with 2
     threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md, "Worker
     threads")."""
-    if num_threads <= 0:
-        return {}
+    params: dict[str, str] = {}
     if backend == "UCX":
-        return {"num_threads": str(num_threads), "split_batch_size": "1"}
-    if backend in ("LIBFABRIC", "OBJ"):  # as nixl_agent.__init__ passes it
-        return {"num_threads": str(num_threads)}
-    return {}
+        if num_threads > 0:
+            params.update(num_threads=str(num_threads), split_batch_size="1")
+        if ucx_error_handling != "peer":
+            params["ucx_error_handling_mode"] = ucx_error_handling
+    elif backend in ("LIBFABRIC", "OBJ") and num_threads > 0:  # as nixl_agent.__init__ passes it
+        params["num_threads"] = str(num_threads)
+    return params
 
 
 class _Peer:
@@ -128,6 +132,7 @@ class NixlTransport:
         capture_telemetry: bool = False,
         progress_thread: bool = True,
         progress_delay_us: int = 0,
+        ucx_error_handling: str = "peer",
     ):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name or f"pd-{uuid.uuid4().hex[:12]}"
@@ -144,7 +149,7 @@ class NixlTransport:
         try:
             self._agent = create_agent(nixl_agent, self.name, config, progress_delay_us)
             for backend in backends:
-                self._agent.create_backend(backend, backend_params(backend, num_threads))
+                self._agent.create_backend(backend, backend_params(backend, num_threads, ucx_error_handling))
         except Exception as exc:
             raise RuntimeError(
                 f"could not create a NIXL agent with backends {list(backends)}: {exc}. "

@@ -88,6 +88,7 @@ class WorkerHalf:
             backends=self.settings.nixl_backends,
             num_threads=self.settings.nixl_num_threads,
             progress_delay_us=self.settings.progress_delay_for(self.mem_type),
+            ucx_error_handling=self.settings.nixl_ucx_error_handling,
         )
         self.transport.register(allocations, regions)
         if self.settings.verify_state_digest and self.mamba_groups:

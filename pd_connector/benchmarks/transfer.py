@@ -84,7 +84,7 @@ class Bench:
         with _Env(env or {}):
             self.p_t, self.d_t = (
                 NixlTransport(self.mem_type, num_threads=self.num_threads, name=f"bench-{role}-{id(self)}",
-                              progress_delay_us=self.delay_us)
+                              progress_delay_us=self.delay_us, ucx_error_handling=args.ucx_error_handling)
                 for role in "PD"
             )
         self.chunk = args.chunk_mib * MiB if self.d_t.copies_in_post else 0  # as receiver.py
@@ -296,6 +296,9 @@ def parse_args(argv=None):
     ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
     ap.add_argument("--num-threads", type=int, default=ConnectorSettings().nixl_num_threads,
                     help="nixl_num_threads for every section but knobs and stall (default: the connector's)")
+    ap.add_argument("--ucx-error-handling", choices=["peer", "none"],
+                    default=ConnectorSettings().nixl_ucx_error_handling,
+                    help="nixl_ucx_error_handling for the connector and raw NIXL agents (default: the connector's)")
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM without worker threads only; 0 = one post)")

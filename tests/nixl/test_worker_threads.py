@@ -198,3 +198,18 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
         server.close()
         if not d.transport.has_peer("p"):
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_peer_error_handling_threads_move_the_paired_pages_and_notify_once(kind):
+    """``nixl_ucx_error_handling: none`` (shared memory instead of tcp for UCX's active messages
+    and connection set-up, the setting that avoided the first-READ stalls with worker threads):
+    the bytes and the one completion notification are what they are under ``peer``."""
+    with peered_pairs(seed=99, num_threads=THREADS, ucx_error_handling="none") as get:
+        p, d = get(kind)
+        pairs = [list(PAIR_CASES["scattered"][0]), list(PAIR_CASES["scattered"][1])]
+        want, mask = expected_after(d, p, pairs)
+        wait_done(d.transport, [d.transport.read("p", *d.transport.plan("p", pairs), b"no-peer")])
+        assert_bytes(d, want)
+        assert not d.mem[~mask].any()
+        assert collect_notifications(p.transport, 1) == {b"no-peer": 1}

@@ -32,6 +32,7 @@ def test_defaults():
     assert s.load_failure_policy == "recompute"
     assert s.nixl_backends == ["UCX"]
     assert s.nixl_num_threads == 0
+    assert s.nixl_ucx_error_handling == "peer"
     assert s.shared_secret_file == ""
     assert s.verify_state_digest is False
     assert s.claim_wait_seconds == 5.0
@@ -59,6 +60,7 @@ def test_defaults_do_not_share_mutable_lists():
         ("verify_state_digest", True),
         ("claim_wait_seconds", 0.5),
         ("read_warn_seconds", 30.0),
+        ("nixl_ucx_error_handling", "none"),
     ],
 )
 def test_each_key_is_honoured(key, value):
@@ -79,6 +81,7 @@ def test_each_key_is_honoured(key, value):
         ("verify_state_digest", "0", False),
         ("claim_wait_seconds", "1.5", 1.5),
         ("read_warn_seconds", "2", 2.0),
+        ("nixl_ucx_error_handling", "none", "none"),
     ],
 )
 def test_env_override(key, env_value, expected):
@@ -221,6 +224,8 @@ def test_string_port_in_config_is_refused():
         ("claim_wait_seconds", 0),
         ("claim_wait_seconds", -0.5),
         ("read_warn_seconds", 0),
+        ("nixl_ucx_error_handling", "off"),
+        ("nixl_ucx_error_handling", "PEER"),
         ("nixl_num_threads", -1),
         ("nixl_backends", []),
         ("nixl_backends", [""]),
