@@ -109,6 +109,9 @@ class Receiver:
         self._claims: dict[str, tuple[RecvTask, Future, float]] = {}
         self._reads: dict[str, _Read] = {}
         self._last_extend = time.monotonic()
+        # The shortest lease a P has granted: P extends by its own lease_seconds, which can be
+        # shorter than this instance's, so the extension cadence follows the shorter one.
+        self._shortest_lease = settings.lease_seconds
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
 
@@ -140,13 +143,13 @@ class Receiver:
         self._extend_in_flight()
 
     def _extend_in_flight(self) -> None:
-        """Every third of a lease, ask each P to extend the leases of this instance's requests
-        still between admission and a finished READ. The claim extends a lease once; a READ
-        that outlives it would otherwise copy blocks P has freed and reused (a stalled READ
-        cannot be cancelled, see ``_report_slow_read``). The scheduler extends the requests
-        still waiting for admission (``SchedulerHalf._due_extensions``)."""
+        """Every third of the shortest lease granted, ask each P to extend the leases of this
+        instance's requests still between admission and a finished READ. The claim extends a
+        lease once; a READ that outlives it would otherwise copy blocks P has freed and reused
+        (a stalled READ cannot be cancelled, see ``_report_slow_read``). The scheduler extends
+        the requests still waiting for admission (``SchedulerHalf._due_extensions``)."""
         now = time.monotonic()
-        if now - self._last_extend < self.settings.lease_seconds / 3:
+        if now - self._last_extend < self._shortest_lease / 3:
             return
         self._last_extend = now
         tasks = [
@@ -225,6 +228,8 @@ class Receiver:
                 self._fail(request_id, str(exc), "claim")
                 continue
             self.recorder.observe("claim_seconds", answered - started)
+            if granted.lease_seconds > 0:
+                self._shortest_lease = min(self._shortest_lease, granted.lease_seconds)
             try:
                 local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
                 if local_idx.size == 0:

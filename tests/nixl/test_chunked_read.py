@@ -326,7 +326,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
     """Regression: the claim extended P's lease once and nothing extended it while D read, so a
     READ stalled past lease_seconds (stalls of 105 s were seen, the default lease is 120 s)
     would have copied blocks P had freed and reused. D now asks P to extend the leases of its
-    requests in flight every third of a lease, until the READ is done."""
+    requests in flight every third of the shortest lease P granted, until the READ is done."""
     from pd_connector.protocol import Extend
 
     p, d = engines("layer_major_dense")
@@ -344,7 +344,9 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
         return Ack()
 
     server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
-    receiver = Receiver(d.transport, ConnectorSettings(lease_seconds=0.6), "d", COMPAT, None)
+    # D's own lease_seconds is the default (120 s): P's shorter grant sets the cadence, since P
+    # extends by its own lease_seconds.
+    receiver = Receiver(d.transport, ConnectorSettings(), "d", COMPAT, None)
     real_state = d.transport.state
     release_at = time.monotonic() + 1.5
     monkeypatch.setattr(d.transport, "state", lambda h: PENDING if time.monotonic() < release_at else real_state(h))
