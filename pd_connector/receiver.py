@@ -51,6 +51,9 @@ CLAIM_PARK_S = 1.0
 # A post or poll of a READ that holds D's engine thread longer than this is reported
 # (``nixl_call_slow``): a post copies a 32 MiB slice in ~10 ms, a poll takes microseconds.
 SLOW_NIXL_CALL_S = 1.0
+# Most often D sends lease extensions, whatever lease a P grants (a P granting a tiny lease
+# must not make every engine step send one).
+MIN_EXTEND_INTERVAL_S = 0.1
 # Threads making side-channel calls (handshakes, claims, releases, extensions).
 _SIDE_CHANNEL_THREADS = 4
 
@@ -149,7 +152,7 @@ class Receiver:
         (a stalled READ cannot be cancelled, see ``_report_slow_read``). The scheduler extends
         the requests still waiting for admission (``SchedulerHalf._due_extensions``)."""
         now = time.monotonic()
-        if now - self._last_extend < self._shortest_lease / 3:
+        if now - self._last_extend < max(self._shortest_lease / 3, MIN_EXTEND_INTERVAL_S):
             return
         self._last_extend = now
         tasks = [

@@ -322,11 +322,13 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
-def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_port, monkeypatch):
+@pytest.mark.parametrize("granted_lease", [0.6, 0.003])
+def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_port, monkeypatch, granted_lease):
     """Regression: the claim extended P's lease once and nothing extended it while D read, so a
     READ stalled past lease_seconds (stalls of 105 s were seen, the default lease is 120 s)
     would have copied blocks P had freed and reused. D now asks P to extend the leases of its
-    requests in flight every third of the shortest lease P granted, until the READ is done."""
+    requests in flight every third of the shortest lease P granted, until the READ is done; and
+    no more often than receiver.MIN_EXTEND_INTERVAL_S, however short a lease P grants."""
     from pd_connector.protocol import Extend
 
     p, d = engines("layer_major_dense")
@@ -338,7 +340,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
         if isinstance(message, Hello):
             return welcome
         if isinstance(message, Claim):
-            return Granted(lease_seconds=0.6)
+            return Granted(lease_seconds=granted_lease)
         if isinstance(message, Extend):
             extended.append((time.monotonic(), list(message.request_ids)))
         return Ack()
@@ -368,6 +370,8 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
         time.sleep(0.3)  # extensions still queued on the side-channel threads land
         during = [ids for at, ids in extended if at < done_at]
         assert len(during) >= 3 and all(ids == ["P-r1"] for ids in during)
+        # The READ was held ~1.5 s: at most one extension per MIN_EXTEND_INTERVAL_S (0.1 s).
+        assert len(during) <= 1.5 / 0.1 + 3
         assert not [at for at, _ in extended if at > done_at + 0.5]
     finally:
         receiver.close()
