@@ -278,11 +278,18 @@ def merge_breaks(idx: np.ndarray, rows: DescriptorRows) -> np.ndarray:
     return (np.diff(idx) != 1) | (row[1:] != row[:-1]) | ~rows.dense[row[:-1]]
 
 
+def run_starts(local_idx: np.ndarray, remote_idx: np.ndarray, local: DescriptorRows, remote: DescriptorRows) -> np.ndarray:
+    """Positions in the index lists where a run NIXL merges begins (mergeable on both sides);
+    empty for an empty READ."""
+    if local_idx.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)
+    return np.flatnonzero(np.concatenate(([True], breaks)))
+
+
 def count_runs(local_idx: np.ndarray, remote_idx: np.ndarray, local: DescriptorRows, remote: DescriptorRows) -> int:
     """Descriptors NIXL moves after merging: runs mergeable on both sides."""
-    if local_idx.size == 0:
-        return 0
-    return int((merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)).sum()) + 1
+    return int(run_starts(local_idx, remote_idx, local, remote).size)
 
 
 def merged_ranges(
@@ -294,7 +301,7 @@ def merged_ranges(
     if local_idx.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    starts = np.flatnonzero(np.concatenate(([True], merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote))))
+    starts = run_starts(local_idx, remote_idx, local, remote)
 
     def addresses(idx: np.ndarray, rows: DescriptorRows) -> np.ndarray:
         row = rows.row_of(idx)

@@ -21,6 +21,18 @@ MEMORY_TTL = 300.0
 
 GRANTED, UNKNOWN, EXPIRED, MISMATCH = "granted", "unknown", "expired", "mismatch"
 
+# The most often D asks a P to extend leases, however short a lease P grants (a tiny grant must
+# not make every engine step send one).
+MIN_EXTEND_INTERVAL_S = 0.1
+
+
+def extension_interval(lease_seconds: float) -> float:
+    """How often D asks P to extend the leases D still depends on (requests queued for
+    admission, or still loading): every third of the lease, so two extensions can go missing before
+    it runs out, and at most every ``MIN_EXTEND_INTERVAL_S``. P extends by its own
+    lease_seconds, so D passes the shortest lease it knows."""
+    return max(lease_seconds / 3, MIN_EXTEND_INTERVAL_S)
+
 
 class Lease(NamedTuple):
     deadline: float

@@ -63,6 +63,14 @@ class ExtendTask:
     remote_request_ids: list[str]
 
 
+def extend_tasks(targets) -> list[ExtendTask]:
+    """One ExtendTask per P for ``(remote_host, remote_port, remote_request_id)`` targets."""
+    by_peer: dict[tuple[str, int], list[str]] = {}
+    for host, port, request_id in targets:
+        by_peer.setdefault((host, port), []).append(request_id)
+    return [ExtendTask(host, port, ids) for (host, port), ids in by_peer.items()]
+
+
 @dataclass
 class PDMetadata(KVConnectorMetadata):
     to_send: dict[str, SendLease] = field(default_factory=dict)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pd_connector.layout import DescriptorRows, merge_breaks
+from pd_connector.layout import DescriptorRows, run_starts
 
 
 def chunk_bounds(nbytes: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
@@ -56,8 +56,7 @@ def cut_long_runs(
     if n < 2 or threads <= 1:
         return local_idx, remote_idx
     nbytes = local.nbytes_of(local_idx).astype(np.int64)
-    breaks = merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    starts = run_starts(local_idx, remote_idx, local, remote)
     run_len = np.diff(np.append(starts, n))
     run_bytes = np.add.reduceat(nbytes, starts)
     share = -(-int(nbytes.sum()) // (threads * pieces_per_thread))
@@ -95,8 +94,7 @@ def thread_slices(
     n = int(local_idx.size)
     if n == 0:
         return []
-    breaks = merge_breaks(local_idx, local) | merge_breaks(remote_idx, remote)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    starts = run_starts(local_idx, remote_idx, local, remote)
     runs = int(starts.size)
     extra = runs % threads if threads > 1 else 0
     if runs <= threads or extra == 0:

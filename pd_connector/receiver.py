@@ -12,7 +12,8 @@
 - optional digest check of the recurrent state after the READ.
 
 Outcomes are per request: ``finished`` or ``failed`` (the scheduler recomputes failed ones).
-All NIXL calls stay on the engine thread; the background thread only speaks ZMQ.
+All NIXL calls stay on the engine thread; the background threads only speak ZMQ (the calls to
+P live in ``prefill_calls.py``).
 """
 
 from __future__ import annotations
@@ -24,36 +25,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pd_connector import side_channel
 from pd_connector.config import ConnectorSettings
-from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask
+from pd_connector.leases import extension_interval
+from pd_connector.metadata import ExtendTask, ReleaseTask, RecvTask, extend_tasks
 from pd_connector.metrics import Recorder
-from pd_connector.protocol import (
-    Claim,
-    EngineCompat,
-    Extend,
-    Granted,
-    Hello,
-    Pending,
-    Reject,
-    Release,
-    Welcome,
-    compat_differences,
-)
+from pd_connector.prefill_calls import PrefillCalls
+from pd_connector.protocol import EngineCompat
 from pd_connector.transport import FAILED, PENDING, ChunkedRead, NixlTransport
 
 logger = logging.getLogger("vllm.pd_connector")
 
 
 MiB = 1 << 20
-# Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms).
-CLAIM_PARK_S = 1.0
 # A post or poll of a READ that holds D's engine thread longer than this is reported
 # (``nixl_call_slow``): a post copies a 32 MiB slice in ~10 ms, a poll takes microseconds.
 SLOW_NIXL_CALL_S = 1.0
-# Most often D sends lease extensions, whatever lease a P grants (a P granting a tiny lease
-# must not make every engine step send one).
-MIN_EXTEND_INTERVAL_S = 0.1
 # Threads making side-channel calls (handshakes, claims, releases, extensions).
 _SIDE_CHANNEL_THREADS = 4
 
@@ -87,8 +73,6 @@ class Receiver:
     ):
         self.transport = transport
         self.settings = settings
-        self.engine_id = engine_id
-        self.compat = compat
         self._state_digest = state_digest
         self._corrupt_state = corrupt_state
         self.recorder = Recorder()
@@ -102,7 +86,7 @@ class Receiver:
         # waits for its grant does not hold up the others.
         self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
         # At most one socket in use per thread: keep that many open per P, no more.
-        self._client = side_channel.Client(max_idle_per_peer=_SIDE_CHANNEL_THREADS)
+        self._calls = PrefillCalls(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
@@ -127,13 +111,13 @@ class Receiver:
         self._waiting[request_id] = task
         key = task.remote_engine_id
         if not self.transport.has_peer(key) and key not in self._handshakes:
-            self._handshakes[key] = self._submit(self._handshake, task)
+            self._handshakes[key] = self._submit(self._calls.handshake, task)
 
     def release(self, task: ReleaseTask) -> None:
-        self._executor.submit(self._send_release, task)
+        self._executor.submit(self._calls.release, task)
 
     def extend(self, task: ExtendTask) -> None:
-        self._executor.submit(self._send_extend, task)
+        self._executor.submit(self._calls.extend, task)
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -146,13 +130,14 @@ class Receiver:
         self._extend_in_flight()
 
     def _extend_in_flight(self) -> None:
-        """Every third of the shortest lease granted, ask each P to extend the leases of this
-        instance's requests still between admission and a finished READ. The claim extends a
-        lease once; a READ that outlives it would otherwise copy blocks P has freed and reused
-        (a stalled READ cannot be cancelled, see ``_report_slow_read``). The scheduler extends
-        the requests still waiting for admission (``SchedulerHalf._due_extensions``)."""
+        """Every ``leases.extension_interval`` of the shortest lease granted, ask each P to
+        extend the leases of this instance's requests still between admission and a finished
+        READ. The claim extends a lease once; a READ that outlives it would otherwise copy
+        blocks P has freed and reused (a stalled READ cannot be cancelled, see
+        ``_report_slow_read``). The scheduler extends the requests still waiting for admission
+        (``SchedulerHalf._due_extensions``)."""
         now = time.monotonic()
-        if now - self._last_extend < max(self._shortest_lease / 3, MIN_EXTEND_INTERVAL_S):
+        if now - self._last_extend < extension_interval(self._shortest_lease):
             return
         self._last_extend = now
         tasks = [
@@ -160,11 +145,8 @@ class Receiver:
             *(task for task, _, _ in self._claims.values()),
             *(read.task for read in self._reads.values()),
         ]
-        by_peer: dict[tuple[str, int], list[str]] = {}
-        for task in tasks:
-            by_peer.setdefault((task.remote_host, task.remote_port), []).append(task.remote_request_id)
-        for (host, port), ids in by_peer.items():
-            self.extend(ExtendTask(host, port, ids))
+        for extension in extend_tasks((t.remote_host, t.remote_port, t.remote_request_id) for t in tasks):
+            self.extend(extension)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished, set(self.failed)
@@ -215,7 +197,7 @@ class Receiver:
                 del self._waiting[request_id]
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()
-                self._claims[request_id] = (task, self._submit(self._claim, task), sent)
+                self._claims[request_id] = (task, self._submit(self._calls.claim, task), sent)
         if self._peer_errors and not self._waiting and not self._handshakes:
             # A later request retries a peer that failed (it may have restarted).
             self._peer_errors.clear()
@@ -332,78 +314,8 @@ class Receiver:
         )
         self.failed[request_id] = why
 
-    # -- background thread: side channel only ---------------------------------------------------
-
-    def _call(self, task, message):
-        return self._client.call(
-            task.remote_host,
-            task.remote_port,
-            message,
-            self.settings.handshake_timeout_seconds,
-            self.settings.secret,
-        )
-
-    def _handshake(self, task: RecvTask) -> tuple[Welcome, float]:
-        started = time.monotonic()
-        reply = self._call(task, Hello(engine_id=self.engine_id, compat=self.compat))
-        if isinstance(reply, Reject):
-            raise side_channel.SideChannelError(reply.reason)
-        if not isinstance(reply, Welcome):
-            raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
-        if reply.engine_id != task.remote_engine_id:
-            raise side_channel.SideChannelError(
-                f"{task.remote_host}:{task.remote_port} is engine {reply.engine_id}, not "
-                f"{task.remote_engine_id} named in kv_transfer_params"
-            )
-        diffs = compat_differences(self.compat, reply.compat)
-        if diffs:
-            raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
-        return reply, time.monotonic() - started
-
-    def _claim(self, task: RecvTask) -> tuple[Granted, float]:
-        """P's grant, and when it arrived (``time.monotonic()``)."""
-        deadline = time.monotonic() + self.settings.claim_wait_seconds
-        delay = 0.005
-        while True:
-            # P's grant can be one engine step behind the router: P holds the answer up to
-            # wait_ms and replies the moment the lease lands (within our call timeout); a P
-            # that predates wait_ms answers Pending at once and we poll with backoff.
-            wait_s = min(CLAIM_PARK_S, deadline - time.monotonic(), self.settings.handshake_timeout_seconds / 2)
-            claim = Claim(
-                engine_id=self.engine_id,
-                request_id=task.remote_request_id,
-                replay_offset=task.replay_offset,
-                block_ids=task.remote_block_ids or [],
-                wait_ms=max(0, int(wait_s * 1000)),
-            )
-            reply = self._call(task, claim)
-            if not isinstance(reply, Pending) or time.monotonic() >= deadline:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
-        if isinstance(reply, Pending):
-            raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
-        if isinstance(reply, Reject):
-            raise side_channel.SideChannelError(f"P refused the claim: {reply.reason}")
-        if not isinstance(reply, Granted):
-            raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
-        return reply, time.monotonic()
-
-    def _send_release(self, task: ReleaseTask) -> None:
-        try:
-            self._call(task, Release(request_ids=[task.remote_request_id]))
-        except side_channel.SideChannelError as exc:
-            # P frees the blocks at lease expiry anyway.
-            logger.info("pd_connector: release of %s not delivered: %s", task.remote_request_id, exc)
-
-    def _send_extend(self, task: ExtendTask) -> None:
-        try:
-            self._call(task, Extend(request_ids=task.remote_request_ids))
-        except side_channel.SideChannelError as exc:
-            logger.info("pd_connector: lease extension not delivered to %s:%d: %s", task.remote_host, task.remote_port, exc)
-
     def close(self) -> None:
         for read in self._reads.values():
             read.xfer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        self._calls.close()

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from pd_connector import handoff, pairing
 from pd_connector.config import ConnectorSettings
 from pd_connector.metrics import Recorder
-from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease
+from pd_connector.leases import extension_interval
+from pd_connector.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
 from pd_connector.protocol import (
     KEY_MIN_RECOMPUTE,
     encode_handoff_params,
@@ -123,16 +124,16 @@ class SchedulerHalf:
         return meta
 
     def _due_extensions(self) -> list[ExtendTask]:
-        """Every third of a lease, the handoffs still waiting for admission here, per P."""
+        """Every ``leases.extension_interval``, the handoffs still waiting for admission here,
+        per P (P's lease length is not in kv_transfer_params: this instance's stands in)."""
         now = time.monotonic()
-        if not self._decisions or now - self._last_extend < self.settings.lease_seconds / 3:
+        if not self._decisions or now - self._last_extend < extension_interval(self.settings.lease_seconds):
             return []
         self._last_extend = now
-        by_peer: dict[tuple[str, int], list[str]] = {}
-        for decision in self._decisions.values():
-            p = decision.params
-            by_peer.setdefault((p.remote_host, p.remote_port), []).append(p.remote_request_id)
-        return [ExtendTask(host, port, ids) for (host, port), ids in by_peer.items()]
+        return extend_tasks(
+            (d.params.remote_host, d.params.remote_port, d.params.remote_request_id)
+            for d in self._decisions.values()
+        )
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]

@@ -46,7 +46,7 @@ from pd_connector.vllm_compat import engine_compat, regions_from_kv_caches
 
 logger = logging.getLogger("vllm.pd_connector")
 
-# D asks P to hold a claim for at most 1 s (receiver.CLAIM_PARK_S); P never holds one longer
+# D asks P to hold a claim for at most 1 s (prefill_calls.CLAIM_PARK_S); P never holds one longer
 # than this, whatever a peer asks.
 MAX_CLAIM_PARK_MS = 2000
 

@@ -328,7 +328,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
     READ stalled past lease_seconds (stalls of 105 s were seen, the default lease is 120 s)
     would have copied blocks P had freed and reused. D now asks P to extend the leases of its
     requests in flight every third of the shortest lease P granted, until the READ is done; and
-    no more often than receiver.MIN_EXTEND_INTERVAL_S, however short a lease P grants."""
+    no more often than leases.MIN_EXTEND_INTERVAL_S, however short a lease P grants."""
     from pd_connector.protocol import Extend
 
     p, d = engines("layer_major_dense")

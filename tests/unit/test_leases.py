@@ -369,3 +369,24 @@ def test_many_leases_with_shuffled_deadlines(n):
         assert all(deadlines[r] <= now for r in got)
     assert sorted(got) == sorted(deadlines)
     assert t.take_finished() == set(deadlines)
+
+
+def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
+    from pd_connector.leases import MIN_EXTEND_INTERVAL_S, extension_interval
+
+    assert extension_interval(120.0) == 40.0
+    assert extension_interval(0.6) == pytest.approx(0.2)
+    # A P granting a tiny lease must not make every engine step send an extension.
+    assert extension_interval(0.003) == MIN_EXTEND_INTERVAL_S
+
+
+def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
+    from pd_connector.metadata import ExtendTask, extend_tasks
+
+    targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]
+    assert extend_tasks(targets) == [
+        ExtendTask("h1", 1, ["a", "c"]),
+        ExtendTask("h2", 1, ["b"]),
+        ExtendTask("h1", 2, ["d"]),
+    ]
+    assert extend_tasks([]) == []
