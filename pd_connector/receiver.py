@@ -131,20 +131,21 @@ class Receiver:
 
     def _extend_in_flight(self) -> None:
         """Every ``leases.extension_interval`` of the shortest lease granted, ask each P to
-        extend the leases of this instance's requests still between admission and a finished
-        READ. The claim extends a lease once; a READ that outlives it would otherwise copy
-        blocks P has freed and reused (a stalled READ cannot be cancelled, see
-        ``_report_slow_read``). The scheduler extends the requests still waiting for admission
-        (``SchedulerHalf._due_extensions``)."""
+        extend the leases of this instance's READs in flight. The claim extends a lease once; a
+        READ that outlives it would otherwise copy blocks P has freed and reused (a stalled READ
+        cannot be cancelled, see ``_report_slow_read``).
+
+        Only granted claims: before the grant the claim itself is the lease check (P refuses an
+        expired lease and D recomputes) and extends it when granting, and the address it goes to
+        has not answered yet. Regression: extending requests whose claim or handshake was still
+        in flight sent extensions to an unreachable side channel too, each holding one of the
+        few side-channel threads for ``handshake_timeout_seconds``. The scheduler extends the
+        requests still waiting for admission (``SchedulerHalf._due_extensions``)."""
         now = time.monotonic()
         if now - self._last_extend < extension_interval(self._shortest_lease):
             return
         self._last_extend = now
-        tasks = [
-            *self._waiting.values(),
-            *(task for task, _, _ in self._claims.values()),
-            *(read.task for read in self._reads.values()),
-        ]
+        tasks = (read.task for read in self._reads.values())
         for extension in extend_tasks((t.remote_host, t.remote_port, t.remote_request_id) for t in tasks):
             self.extend(extension)
 

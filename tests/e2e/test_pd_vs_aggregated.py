@@ -137,8 +137,9 @@ TAMPERED = {
     ),
     "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
     "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
-    # Connected already (earlier requests), so the claim is what times out.
-    "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "no answer from 127.0.0.1"),
+    # Connected already (earlier requests), so the claim is what times out. Counted on the
+    # failed-load line alone: a lease extension to the dead port logs "no answer" too.
+    "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "failed (no answer from 127.0.0.1"),
     "other_protocol_version": (lambda p, n: {**p, "pd_protocol_version": 99}, "refusing the handoff (version_mismatch)"),
     "nixl_style_no_offset": (lambda p, n: {k: v for k, v in p.items() if k != "replay_offset"}, "refusing the handoff (missing_offset)"),
     "string_offset": (lambda p, n: {**p, "replay_offset": "7"}, "refusing the handoff (malformed)"),

@@ -322,6 +322,57 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
+def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engines, free_port, monkeypatch):
+    """Regression (a flaky e2e count of "no answer from"): D extended requests whose claim was
+    still in flight, so a claim to an unreachable side channel was followed by extensions to it,
+    each holding a side-channel thread until it timed out. The claim is itself the lease check
+    and extends the lease when P grants it: extensions start with the READ."""
+    p, d = engines("layer_major_dense")
+    d.transport.remove_peer("p")
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    granted_at: list[float] = []
+
+    def serve(message):
+        if isinstance(message, Hello):
+            return welcome
+        if isinstance(message, Claim):
+            time.sleep(0.6)  # six extension periods of D's 0.3 s lease
+            granted_at.append(time.monotonic())
+            return Granted(lease_seconds=0.3)
+        return Ack()
+
+    server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
+    receiver = Receiver(d.transport, ConnectorSettings(lease_seconds=0.3), "d", COMPAT, None)
+    extended: list[float] = []
+    monkeypatch.setattr(receiver._calls, "extend", lambda task: extended.append(time.monotonic()))
+    real_state = d.transport.state
+    held: list[float] = []
+
+    def state(handle):
+        # Hold the READ 0.6 s after its first poll, so extensions have time to flow during it.
+        held.append(time.monotonic())
+        return PENDING if held[-1] < held[0] + 0.6 else real_state(handle)
+
+    monkeypatch.setattr(d.transport, "state", state)
+    try:
+        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
+        deadline = time.monotonic() + TIMEOUT_S
+        finished: set[str] = set()
+        while not finished:
+            receiver.advance()
+            finished, failed = receiver.take_results()
+            assert not failed and time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)  # extensions still queued on the side-channel threads run
+        assert granted_at and not [at for at in extended if at < granted_at[0]]
+        assert len(extended) >= 3  # ...and the READ itself is still kept alive
+    finally:
+        receiver.close()
+        server.close()
+        if not d.transport.has_peer("p"):
+            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+
+
 @pytest.mark.parametrize("granted_lease", [0.6, 0.003])
 def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_port, monkeypatch, granted_lease):
     """Regression: the claim extended P's lease once and nothing extended it while D read, so a
