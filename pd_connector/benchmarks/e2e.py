@@ -68,7 +68,8 @@ class Deployment:
 
     def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
                  placement: list[tuple[str, dict[str, str]]]):
-        from pd_connector.testing.servers import VllmServer, free_port, source_checkout_env
+        from pd_connector.testing.ports import free_port
+        from pd_connector.testing.servers import VllmServer, source_checkout_env
         from pd_connector.testing.stack import kv_transfer_config
 
         self.system = system
@@ -96,7 +97,7 @@ class Deployment:
         self._env = env
 
     def start_proxy(self) -> None:
-        from pd_connector.testing.servers import free_port
+        from pd_connector.testing.ports import free_port
 
         port = free_port()
         log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,10 +31,11 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from pd_connector.testing.ports import free_port
 from pd_connector.testing.process_groups import group_alive, group_members, signal_group
 from pd_connector.testing.prometheus import read_metric, read_metric_labels
 
-__all__ = ["ServerError", "VllmServer", "free_port", "source_checkout_env", "start_many"]
+__all__ = ["ServerError", "VllmServer", "source_checkout_env", "start_many"]
 
 
 def source_checkout_env() -> dict[str, str]:
@@ -51,26 +51,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class ServerError(RuntimeError):
     """A server died or did not become healthy; the message carries its log tail."""
-
-
-# Ports handed out by free_port() in this process. Binding port 0 and closing is inherently racy;
-# remembering what we already returned at least stops two servers configured back-to-back (before
-# either has bound) from getting the same port.
-_handed_out: set[int] = set()
-_port_lock = threading.Lock()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free right now and was not returned before by this process."""
-    with _port_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise RuntimeError("could not find a free port")
 
 
 # Every started-but-not-stopped server, so that an interpreter exit (e.g. a test run aborted by

@@ -25,7 +25,8 @@ from pd_connector.handoff import RecomputeProfile, choose_replay_offset, min_rec
 from pd_connector.protocol import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, Verdict, compare, complete
 from pd_connector.testing.placement import cpu_binds
-from pd_connector.testing.servers import VllmServer, free_port, start_many
+from pd_connector.testing.ports import free_port
+from pd_connector.testing.servers import VllmServer, start_many
 from pd_connector.testing.speculative_models import MTP_MODULES
 
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 from pd_connector.protocol import PREFILL_REQUEST_PARAMS
 from pd_connector.testing.oracle import Completion, complete
 from pd_connector.testing.placement import cpu_binds
-from pd_connector.testing.servers import VllmServer, free_port, source_checkout_env, start_many
+from pd_connector.testing.ports import free_port
+from pd_connector.testing.servers import VllmServer, source_checkout_env, start_many
 
 
 def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:

@@ -118,7 +118,7 @@ def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
 
 
 def _dead_port():
-    from pd_connector.testing.servers import free_port
+    from pd_connector.testing.ports import free_port
 
     return free_port()
 

@@ -8,9 +8,10 @@ and msgspec and run either way.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from pd_connector.testing.ports import free_port as free_port_below_ephemeral
 
 # Same default pd_connector.transport applies before it imports nixl (vLLM does it too).
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
@@ -32,19 +33,12 @@ def _require_nixl(request):
         pytest.skip(NIXL_MISSING)
 
 
-def free_loopback_port() -> int:
-    """A TCP port nobody listens on right now (bound to port 0, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def free_port() -> int:
-    return free_loopback_port()
+    return free_port_below_ephemeral()
 
 
 @pytest.fixture
 def new_free_port():
     """Call it for as many free ports as a test needs."""
-    return free_loopback_port
+    return free_port_below_ephemeral

@@ -9,12 +9,12 @@ import contextlib
 import functools
 import itertools
 import json
-import socket
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from pd_connector.proxy_bodies import ROUTES
+from pd_connector.testing.ports import free_port
 
 SSE_CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
               b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]
@@ -44,12 +44,6 @@ async def serve(app: web.Application, *, handler_cancellation: bool = True):
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:

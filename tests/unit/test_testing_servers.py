@@ -14,7 +14,8 @@ import time
 import pytest
 
 from pd_connector.testing.prometheus import parse_metric, parse_metric_labels
-from pd_connector.testing.servers import ServerError, VllmServer, free_port, start_many
+from pd_connector.testing.ports import free_port
+from pd_connector.testing.servers import ServerError, VllmServer, start_many
 
 METRICS = """\
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
