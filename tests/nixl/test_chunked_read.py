@@ -38,6 +38,18 @@ CASES = {
 }
 
 
+def load_one(receiver: Receiver, task: RecvTask, pause_s: float = 0.01) -> None:
+    """Add one request ("r1") and step the receiver until it finished; failing it fails the test."""
+    receiver.add("r1", task)
+    deadline = time.monotonic() + TIMEOUT_S
+    finished: set[str] = set()
+    while not finished:
+        receiver.advance()
+        finished, failed = receiver.take_results()
+        assert not failed and time.monotonic() < deadline
+        time.sleep(pause_s)
+
+
 @contextmanager
 def peered_pairs(seed: int, **transport_kw):
     """``get(kind, num_blocks=None) -> (P, D)``, made once per (kind, size) with these transport
@@ -298,15 +310,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
     pairs = [[(1, 3), (7, 9)], [(3, 11)]]
     try:
         with caplog.at_level("WARNING", logger="vllm.pd_connector"):
-            receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", pairs, 16, 15, [[1]]))
-            deadline = time.monotonic() + TIMEOUT_S
-            finished: set[str] = set()
-            while not finished:
-                receiver.advance()
-                finished, failed = receiver.take_results()
-                assert not failed
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", pairs, 16, 15, [[1]]), pause_s=0.005)
         want, _ = expected_after(d, p, pairs)
         assert_bytes(d, want)
         totals = receiver.recorder.totals
@@ -355,14 +359,7 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
 
     monkeypatch.setattr(d.transport, "state", state)
     try:
-        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
-        deadline = time.monotonic() + TIMEOUT_S
-        finished: set[str] = set()
-        while not finished:
-            receiver.advance()
-            finished, failed = receiver.take_results()
-            assert not failed and time.monotonic() < deadline
-            time.sleep(0.01)
+        load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
         time.sleep(0.1)  # extensions still queued on the side-channel threads run
         assert granted_at and not [at for at in extended if at < granted_at[0]]
         assert len(extended) >= 3  # ...and the READ itself is still kept alive
@@ -404,14 +401,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
     release_at = time.monotonic() + 1.5
     monkeypatch.setattr(d.transport, "state", lambda h: PENDING if time.monotonic() < release_at else real_state(h))
     try:
-        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
-        deadline = time.monotonic() + TIMEOUT_S
-        finished: set[str] = set()
-        while not finished:
-            receiver.advance()
-            finished, failed = receiver.take_results()
-            assert not failed and time.monotonic() < deadline
-            time.sleep(0.01)
+        load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
         done_at = time.monotonic()
         # Once the READ is done, nothing asks P to keep the lease: keep stepping for several
         # extension periods (0.2 s each here).
