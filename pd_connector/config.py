@@ -15,6 +15,10 @@ import msgspec
 DEFAULT_SIDE_CHANNEL_PORT = 5660
 
 
+# Values of nixl_ucx_error_handling ("peer" is NIXL's own default).
+UCX_ERROR_HANDLING_MODES = ("peer", "none")
+
+
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Address P's side channel binds to and advertises to D in kv_transfer_params. Must be
     # reachable from D; loopback by default so nothing is exposed unless configured.
@@ -106,7 +110,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"nixl_progress_delay_us must be between 0 and 1000000, got {self.nixl_progress_delay_us}")
         if self.nixl_read_chunk_mib < 0:
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
-        if self.nixl_ucx_error_handling not in ("peer", "none"):
+        if self.nixl_ucx_error_handling not in UCX_ERROR_HANDLING_MODES:
             raise ValueError(f"nixl_ucx_error_handling must be 'peer' or 'none', got {self.nixl_ucx_error_handling!r}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")

@@ -56,7 +56,7 @@ class ReleaseTask:
 @dataclass
 class ExtendTask:
     """D: ask P to extend the leases of requests still waiting for admission on D (scheduler) or
-    still loading (receiver)."""
+    with a granted claim whose READ is in flight (receiver)."""
 
     remote_host: str
     remote_port: int

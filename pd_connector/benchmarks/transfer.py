@@ -45,7 +45,7 @@ from pd_connector.benchmarks import transfer_paths as paths
 from pd_connector.benchmarks.transfer_bench import Bench, progress_delay, run_section
 from pd_connector.benchmarks.transfer_report import Result, fmt_tokens, print_results, summary_table
 from pd_connector.benchmarks.transfer_shapes import KERNEL_BLOCK, MODELS, MiB, check_vllm_placement
-from pd_connector.config import ConnectorSettings
+from pd_connector.config import UCX_ERROR_HANDLING_MODES, ConnectorSettings
 
 
 def small_block_cases(args, tokens: int) -> list[tuple[str, int, int, bool]]:
@@ -117,7 +117,7 @@ def parse_args(argv=None):
     ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
     ap.add_argument("--num-threads", type=int, default=ConnectorSettings().nixl_num_threads,
                     help="nixl_num_threads for every section but knobs and stall (default: the connector's)")
-    ap.add_argument("--ucx-error-handling", choices=["peer", "none"],
+    ap.add_argument("--ucx-error-handling", choices=UCX_ERROR_HANDLING_MODES,
                     default=ConnectorSettings().nixl_ucx_error_handling,
                     help="nixl_ucx_error_handling for the connector and raw NIXL agents (default: the connector's)")
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
