@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Sequence
 
-# ``pd-connector bench NAME`` runs ``pd_connector.benchmarks.NAME.main(argv) -> int``.
+# ``pd-connector bench NAME`` runs ``pd_connector.dev.benchmarks.NAME.main(argv) -> int``.
 BENCHMARKS = {
     "transfer": "KV transfer: the connector's READ path vs raw NIXL vs memcpy (needs NIXL)",
     "scheduler": "µs per request in pd_connector's scheduler hooks vs vLLM's own (in process)",
@@ -49,7 +49,7 @@ def _prompt_tokens(text: str) -> int:
     return value
 
 
-# Kept here (not imported from pd_connector.routing) so that --help needs no aiohttp.
+# Kept here (not imported from pd_connector.proxy.routing) so that --help needs no aiohttp.
 POLICIES = ("least-loaded", "round-robin")
 
 
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "proxy":
-        from pd_connector.proxy import DEFAULT_TIMEOUT_S, run_proxy
+        from pd_connector.proxy.server import DEFAULT_TIMEOUT_S, run_proxy
 
         run_proxy(
             args.prefill, args.decode, host=args.host, port=args.port,
@@ -194,13 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     if args.command == "check":
-        from pd_connector import check as check_mod
+        from pd_connector.check import run as check_mod
 
         return check_mod.main(args)
     if args.command == "bench":
         return run_benchmark(args.benchmark, args.args)
     if args.command == "demo":
-        from pd_connector import demo as demo_mod
+        from pd_connector.dev import demo as demo_mod
 
         result = demo_mod.main(args)
         return result if isinstance(result, int) else 0
@@ -209,13 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_benchmark(name: str, argv: Sequence[str]) -> int:
-    """Import ``pd_connector.benchmarks.<name>`` only now (torch, vLLM, NIXL) and run its
+    """Import ``pd_connector.dev.benchmarks.<name>`` only now (torch, vLLM, NIXL) and run its
     ``main(argv)``."""
-    module_name = f"pd_connector.benchmarks.{name}"
+    module_name = f"pd_connector.dev.benchmarks.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name not in (module_name, "pd_connector.benchmarks"):
+        if exc.name not in (module_name, "pd_connector.dev.benchmarks"):
             raise  # a dependency of the benchmark is missing: its own message says which
         print(f"pd-connector bench: {module_name} is not installed with this pd_connector",
               file=sys.stderr)

@@ -22,10 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from pd_connector.config import parse_settings
-from pd_connector.metrics import PDPromMetrics, PDStats
-from pd_connector.metadata import PDMetadata
-from pd_connector.vllm_compat import check_supported
+from pd_connector.core.config import parse_settings
+from pd_connector.engine.metrics import PDPromMetrics, PDStats
+from pd_connector.engine.metadata import PDMetadata
+from pd_connector.engine.compat import check_supported
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,12 +48,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             # connector (Scheduler.__init__): our default is to recompute, never to fail or
             # return text computed on a bad state.
             kv_transfer.kv_load_failure_policy = self.settings.load_failure_policy
-            from pd_connector.scheduler import SchedulerHalf
+            from pd_connector.engine.scheduler import SchedulerHalf
 
             self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
         else:
-            from pd_connector.nixl_backends import check_backends
-            from pd_connector.worker import WorkerHalf
+            from pd_connector.transport.backends import check_backends
+            from pd_connector.engine.worker import WorkerHalf
 
             # Before any NIXL agent or socket exists: NIXL itself only warns about a missing
             # plugin and every transfer would fail later.

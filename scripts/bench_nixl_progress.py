@@ -17,7 +17,8 @@ import sys
 import time
 import numpy as np
 
-from pd_connector.transport import _import_nixl, create_agent
+from pd_connector.transport.backends import import_nixl
+from pd_connector.transport.nixl import create_agent
 
 MiB = 1 << 20
 
@@ -32,7 +33,7 @@ def _thread_ticks() -> dict[str, int]:
 
 
 def measure(delay_us: int, idle_s: float = 3.0, reps: int = 20) -> tuple[list[int], float]:
-    nixl_agent, nixl_agent_config = _import_nixl()
+    nixl_agent, nixl_agent_config = import_nixl()
     p = create_agent(nixl_agent, f"p{delay_us}", nixl_agent_config(backends=["UCX"]), delay_us)
     d = create_agent(nixl_agent, f"d{delay_us}", nixl_agent_config(backends=["UCX"]), delay_us)
     src = np.arange(4 * MiB, dtype=np.uint8)

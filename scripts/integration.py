@@ -24,13 +24,13 @@ import json
 import sys
 from pathlib import Path
 
-from pd_connector.demo import DEFAULT_ROOT, print_table, run_prompts
-from pd_connector.testing.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
-from pd_connector.testing.stack import PDStack, StackConfig
+from pd_connector.dev.demo import DEFAULT_ROOT, print_table, run_prompts
+from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
+from pd_connector.dev.testing.stack import PDStack, StackConfig
 
 
 def cpu_runs(args):
-    from pd_connector.testing.tiny_models import build_model
+    from pd_connector.dev.testing.tiny_models import build_model
 
     for kind in args.models or sorted(CPU_MODELS):
         config = StackConfig(

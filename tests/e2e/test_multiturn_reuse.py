@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from pd_connector.testing.cpu_matrix import random_prompt
-from pd_connector.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
-from pd_connector.testing.spec_matrix import check_bf16 as check
-from pd_connector.testing.tiny_models import build_model
+from pd_connector.dev.testing.cpu_matrix import random_prompt
+from pd_connector.dev.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
+from pd_connector.dev.testing.spec_matrix import check_bf16 as check
+from pd_connector.dev.testing.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

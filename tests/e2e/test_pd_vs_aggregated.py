@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_connector.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.scheduler import FAULT_CORRUPT_STATE, FAULT_RESUME_SHIFT
-from pd_connector.testing.oracle import compare
+from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
+from pd_connector.engine.scheduler import FAULT_CORRUPT_STATE, FAULT_RESUME_SHIFT
+from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
 
@@ -118,7 +118,7 @@ def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
 
 
 def _dead_port():
-    from pd_connector.testing.ports import free_port
+    from pd_connector.dev.testing.ports import free_port
 
     return free_port()
 

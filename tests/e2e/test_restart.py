@@ -3,8 +3,8 @@ last test on its stack (the stack's P stays down afterwards)."""
 
 import pytest
 
-from pd_connector.testing.cpu_matrix import random_prompt
-from pd_connector.testing.oracle import compare
+from pd_connector.dev.testing.cpu_matrix import random_prompt
+from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
 

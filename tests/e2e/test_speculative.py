@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from pd_connector.testing.cpu_matrix import boundary_lengths, random_prompt
-from pd_connector.testing.spec_matrix import (
+from pd_connector.dev.testing.cpu_matrix import boundary_lengths, random_prompt
+from pd_connector.dev.testing.spec_matrix import (
     HONOURED,
     LAYOUT_EVENTS,
     REFUSED_LAYOUT,
@@ -29,7 +29,7 @@ from pd_connector.testing.spec_matrix import (
     make_instances,
     running,
 )
-from pd_connector.testing.tiny_models import build_model
+from pd_connector.dev.testing.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from pd_connector.testing.ports import free_port as free_port_below_ephemeral
+from pd_connector.dev.testing.ports import free_port as free_port_below_ephemeral
 
-# Same default pd_connector.transport applies before it imports nixl (vLLM does it too).
+# Same default pd_connector.transport.nixl applies before it imports nixl (vLLM does it too).
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
 
 try:

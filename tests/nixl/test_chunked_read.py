@@ -11,12 +11,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from pd_connector import side_channel
-from pd_connector.config import ConnectorSettings
-from pd_connector.metadata import RecvTask
-from pd_connector.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
-from pd_connector.receiver import Receiver
-from pd_connector.transport import DONE, FAILED, PENDING, ChunkedRead
+from pd_connector.transport import side_channel
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.engine.metadata import RecvTask
+from pd_connector.core.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
+from pd_connector.engine.receiver import Receiver
+from pd_connector.transport.nixl import DONE, FAILED, PENDING, ChunkedRead
 
 from test_transport import (
     ATTN,
@@ -286,7 +286,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
     "Slow READs"). Neither can be cancelled safely, so D reports them, once each, and keeps
     polling: here the post is slowed and NIXL's state held at PENDING past read_warn_seconds,
     then released; the request must finish with the right bytes."""
-    import pd_connector.receiver as receiver_mod
+    import pd_connector.engine.receiver as receiver_mod
 
     p, d = engines("layer_major_dense")
     d.transport.remove_peer("p")
@@ -377,7 +377,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
     would have copied blocks P had freed and reused. D now asks P to extend the leases of its
     requests in flight every third of the shortest lease P granted, until the READ is done; and
     no more often than leases.MIN_EXTEND_INTERVAL_S, however short a lease P grants."""
-    from pd_connector.protocol import Extend
+    from pd_connector.core.protocol import Extend
 
     p, d = engines("layer_major_dense")
     d.transport.remove_peer("p")

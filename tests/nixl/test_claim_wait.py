@@ -8,13 +8,15 @@ import time
 
 import pytest
 
-from pd_connector import side_channel, worker
-from pd_connector.config import ConnectorSettings
-from pd_connector.leases import LeaseTable
-from pd_connector.metadata import PDMetadata, SendLease
-from pd_connector.metrics import Recorder
-from pd_connector.protocol import Claim, Granted, Pending, Reject
-from pd_connector.worker import WorkerHalf
+from pd_connector.transport import side_channel
+
+from pd_connector.engine import worker
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.leases import LeaseTable
+from pd_connector.engine.metadata import PDMetadata, SendLease
+from pd_connector.engine.metrics import Recorder
+from pd_connector.core.protocol import Claim, Granted, Pending, Reject
+from pd_connector.engine.worker import WorkerHalf
 
 HOST = "127.0.0.1"
 BLOCKS = [[3, 4], [9]]

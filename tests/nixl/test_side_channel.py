@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from pd_connector import side_channel
-from pd_connector.protocol import (
+from pd_connector.transport import side_channel
+from pd_connector.core.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -29,7 +29,7 @@ from pd_connector.protocol import (
     decode_message,
     encode_message,
 )
-from pd_connector.side_channel import SideChannelError, SideChannelServer
+from pd_connector.transport.side_channel import SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 COMPAT = EngineCompat(
@@ -204,7 +204,7 @@ def test_wrong_protocol_version_gets_reject_naming_both_versions(server, handler
 def test_oversized_frame_does_not_stop_the_server(server, handler, raw):
     """A frame beyond even the socket's headroom is dropped by libzmq (no reply, memory
     bounded), and the server keeps serving."""
-    from pd_connector.side_channel import _SOCKET_LIMIT
+    from pd_connector.transport.side_channel import _SOCKET_LIMIT
 
     port = server.address[1]
     t0 = time.monotonic()

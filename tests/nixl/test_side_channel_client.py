@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pd_connector import side_channel
-from pd_connector.protocol import Ack, Reject, Release
-from pd_connector.side_channel import Client, SideChannelError, SideChannelServer
+from pd_connector.transport import side_channel
+from pd_connector.core.protocol import Ack, Reject, Release
+from pd_connector.transport.side_channel import Client, SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.transport import DONE, NixlTransport
-from pd_connector.vllm_compat import regions_from_kv_caches
+from pd_connector.transport.nixl import DONE, NixlTransport
+from pd_connector.engine.compat import regions_from_kv_caches
 
 CONV_KERNEL, CONV_DIM = 4, 96
 SSM_SHAPE = (2, 16, 8)

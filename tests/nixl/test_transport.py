@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector import side_channel
-from pd_connector.layout import LayoutError
-from pd_connector.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
-from pd_connector.transport import DONE, PENDING, NixlTransport
-from pd_connector.vllm_compat import regions_from_kv_caches
+from pd_connector.transport import side_channel
+from pd_connector.core.layout import LayoutError
+from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
+from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
+from pd_connector.engine.compat import regions_from_kv_caches
 
 pytestmark = pytest.mark.nixl
 

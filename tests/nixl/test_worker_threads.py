@@ -2,7 +2,7 @@
 engine splits each READ over the threads (``transport.backend_params`` sets ``split_batch_size``
 1) and posts it asynchronously. The bytes must be exactly the paired pages, P must hear of a
 READ only once every chunk has landed (it frees its blocks on that notification), and D's
-Receiver must post each READ in one post (two at most, ``read_posting.thread_slices``) instead of
+Receiver must post each READ in one post (two at most, ``read_plan.thread_slices``) instead of
 slicing it by size. Real NIXL, UCX over DRAM, loopback.
 """
 
@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from pd_connector import layout
-from pd_connector.config import ConnectorSettings
-from pd_connector.metadata import RecvTask
-from pd_connector.receiver import Receiver
-from pd_connector.transport import DONE, PENDING, ChunkedRead
+from pd_connector.core import layout
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.engine.metadata import RecvTask
+from pd_connector.engine.receiver import Receiver
+from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
 
 from test_chunked_read import COMPAT, granting_side_channel, peered_pairs
 from test_transport import (
@@ -106,7 +106,7 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
 
 def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(threaded):
     """Contiguous blocks make one run per layer; with worker threads the plan cuts them
-    (``read_posting.cut_long_runs``) so each thread gets a share, and NIXL's own merged count is the
+    (``read_plan.cut_long_runs``) so each thread gets a share, and NIXL's own merged count is the
     count the connector reports: the reversed pieces are not merged back."""
     p, d = threaded("layer_major_dense", BIG_BLOCKS)
     pairs = [[(b, b + 7) for b in range(1, 1001)], [(1200, 1300)]]
@@ -169,7 +169,7 @@ def test_worker_threads_many_concurrent_reads_each_notify_once(threaded):
 def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, free_port):
     """``nixl_read_chunk_mib`` bounds how long a post that copies holds D's engine thread; a
     post through worker threads copies nothing, so it is one post (two at most, see
-    ``read_posting.thread_slices``), never MiB slices: 600 blocks x 2 layers of 4 KiB would be 5."""
+    ``read_plan.thread_slices``), never MiB slices: 600 blocks x 2 layers of 4 KiB would be 5."""
     p, d = threaded("layer_major_dense", BIG_BLOCKS)
     server = granting_side_channel(p, free_port)
     d.transport.remove_peer("p")

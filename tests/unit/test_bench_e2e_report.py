@@ -1,6 +1,6 @@
 """The end-to-end benchmark's handoff figures (README table) from two Prometheus snapshots."""
 
-from pd_connector.benchmarks.e2e_report import handoff_figures, handoff_table
+from pd_connector.dev.benchmarks.e2e_report import handoff_figures, handoff_table
 
 CLAIM, HELD = "decode:vllm:pd_claim_seconds", "prefill:vllm:pd_claim_held_seconds"
 

@@ -10,8 +10,12 @@ import pytest
 from aiohttp import web
 from fake_upstreams import async_test, dead_url, serve
 
-from pd_connector import check, check_client, cli
-from pd_connector import proxy as proxy_mod
+from pd_connector.check import run as check
+
+from pd_connector.check import client as check_client
+
+from pd_connector import cli
+from pd_connector.proxy import server as proxy_mod
 
 
 @pytest.fixture(autouse=True)

@@ -66,9 +66,9 @@ def test_without_subcommand_prints_help(capsys):
 
 def test_demo_dispatch(monkeypatch):
     seen = []
-    fake = types.ModuleType("pd_connector.demo")
+    fake = types.ModuleType("pd_connector.dev.demo")
     fake.main = lambda args: seen.append(args) or 3
-    monkeypatch.setitem(sys.modules, "pd_connector.demo", fake)
+    monkeypatch.setitem(sys.modules, "pd_connector.dev.demo", fake)
     monkeypatch.setattr(sys.modules["pd_connector"], "demo", fake, raising=False)
     assert cli.main(["demo", "--device", "cuda", "--keep-going"]) == 3
     assert seen[0].device == "cuda" and seen[0].keep_going is True
@@ -86,7 +86,7 @@ def test_bench_passes_every_remaining_argument_to_the_benchmark(name, monkeypatc
         calls.append((argv, sys.argv[0]))
         return 7
 
-    module = types.ModuleType(f"pd_connector.benchmarks.{name}")
+    module = types.ModuleType(f"pd_connector.dev.benchmarks.{name}")
     module.main = fake_main
     monkeypatch.setitem(sys.modules, module.__name__, module)
     argv = ["--quick", "--out", "x", "--help", "positional"]
@@ -111,14 +111,14 @@ def test_bench_names_a_benchmark_module_that_is_not_installed(monkeypatch, capsy
 
     monkeypatch.setattr(cli.importlib, "import_module", missing)
     assert cli.main(["bench", "e2e"]) == 2
-    assert "pd_connector.benchmarks.e2e is not installed" in capsys.readouterr().err
+    assert "pd_connector.dev.benchmarks.e2e is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
 def test_bench_help_is_the_benchmarks_own(name):
     """The real benchmark's ``--help``, in a subprocess (it imports torch/vLLM/NIXL)."""
-    if importlib.util.find_spec(f"pd_connector.benchmarks.{name}") is None:
-        pytest.skip(f"pd_connector.benchmarks.{name} does not exist in this tree yet")
+    if importlib.util.find_spec(f"pd_connector.dev.benchmarks.{name}") is None:
+        pytest.skip(f"pd_connector.dev.benchmarks.{name} does not exist in this tree yet")
     done = subprocess.run([sys.executable, "-m", "pd_connector.cli", "bench", name, "--help"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.handoff: P's choice of the replay offset and D's validation.
+"""Pure tests of pd_connector.core.handoff: P's choice of the replay offset and D's validation.
 
 No vLLM, NIXL, torch or sockets. Background: /work/shared/reference/vllm-pd-internals.md, 3.1
 (vLLM 0.32's implicit backoff rule) and 4.3 (replay boundaries).
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pd_connector.handoff import (
+from pd_connector.core.handoff import (
     Accepted,
     RecomputeProfile,
     Refused,
@@ -19,7 +19,7 @@ from pd_connector.handoff import (
     decide_on_decode,
     min_recompute_tokens,
 )
-from pd_connector.protocol import (
+from pd_connector.core.protocol import (
     encode_handoff_params,
     KEY_MIN_RECOMPUTE,
     KEY_REPLAY_OFFSET,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.handoff import offered_offset, requested_min_recompute
+from pd_connector.core.handoff import offered_offset, requested_min_recompute
 
 
 @given(st.integers(0, 10_000), st.integers(0, 10_000))

@@ -1,9 +1,9 @@
-"""When an idle engine step waits for side-channel news (pd_connector.idle_wait)."""
+"""When an idle engine step waits for side-channel news (pd_connector.core.idle_wait)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.idle_wait import should_wait_for_news
+from pd_connector.core.idle_wait import should_wait_for_news
 
 WAIT_S = 0.002  # the default idle_step_wait_ms
 

@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.layout: descriptor arithmetic (numpy only)."""
+"""Pure tests of pd_connector.core.layout: descriptor arithmetic (numpy only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.layout import (
+from pd_connector.core.layout import (
     LayoutError,
     check_matching,
     common_packing,
@@ -21,8 +21,8 @@ from pd_connector.layout import (
     region_offsets,
     strided_descriptors,
 )
-from pd_connector.protocol import LayerRegion
-from pd_connector.read_posting import chunk_bounds, cut_long_runs, thread_slices
+from pd_connector.core.protocol import LayerRegion
+from pd_connector.core.read_plan import chunk_bounds, cut_long_runs, thread_slices
 
 SETTINGS = settings(max_examples=120, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.leases: P's lease table for handed-off blocks."""
+"""Pure tests of pd_connector.core.leases: P's lease table for handed-off blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pd_connector.leases import EXPIRED, GRANTED, MEMORY_TTL, MISMATCH, UNKNOWN, LeaseTable
+from pd_connector.core.leases import EXPIRED, GRANTED, MEMORY_TTL, MISMATCH, UNKNOWN, LeaseTable
 
 # --- unit semantics ---------------------------------------------------------------------------
 
@@ -372,7 +372,7 @@ def test_many_leases_with_shuffled_deadlines(n):
 
 
 def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
-    from pd_connector.leases import MIN_EXTEND_INTERVAL_S, extension_interval
+    from pd_connector.core.leases import MIN_EXTEND_INTERVAL_S, extension_interval
 
     assert extension_interval(120.0) == 40.0
     assert extension_interval(0.6) == pytest.approx(0.2)
@@ -381,7 +381,7 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
 
 
 def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
-    from pd_connector.metadata import ExtendTask, extend_tasks
+    from pd_connector.engine.metadata import ExtendTask, extend_tasks
 
     targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]
     assert extend_tasks(targets) == [

@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.pairing: which of P's blocks feed which of D's blocks.
+"""Pure tests of pd_connector.core.pairing: which of P's blocks feed which of D's blocks.
 
 Block tables are generated the way vLLM 0.32 shapes them (reference sections 3.4, 3.5):
 - attention: >= cdiv(R, B) unique non-null ids;
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.pairing import (
+from pd_connector.core.pairing import (
     ATTENTION,
     MAMBA,
     NULL_BLOCK,
@@ -580,7 +580,7 @@ def test_block_pairs_give_the_worker_the_same_descriptors_as_tuples(remote, loca
     """The worker turns pairs into NIXL descriptor indices with numpy
     (layout.descriptor_indices): BlockPairs must give exactly what a list of tuples gives."""
     np = pytest.importorskip("numpy")
-    from pd_connector.layout import descriptor_indices
+    from pd_connector.core.layout import descriptor_indices
 
     regions = {0: np.array([0, 1])}
     offsets, blocks = np.array([0, 100]), np.array([50, 50])

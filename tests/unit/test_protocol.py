@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.protocol: side-channel framing, versioning and compat diffs.
+"""Pure tests of pd_connector.core.protocol: side-channel framing, versioning and compat diffs.
 
 No vLLM, NIXL, torch or sockets.
 """
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.protocol import (
+from pd_connector.core.protocol import (
     MAX_BLOCK_ID,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -710,8 +710,8 @@ def test_protocol_error_is_a_value_error_with_kind():
 def test_pure_core_imports_no_vllm_torch_nixl_or_sockets():
     code = (
         "import sys\n"
-        "import pd_connector.handoff, pd_connector.protocol, pd_connector.pairing\n"
-        "import pd_connector.layout, pd_connector.leases, pd_connector.config\n"
+        "import pd_connector.core.handoff, pd_connector.core.protocol, pd_connector.core.pairing\n"
+        "import pd_connector.core.layout, pd_connector.core.leases, pd_connector.core.config\n"
         "bad = [m for m in ('vllm', 'torch', 'nixl', 'zmq', 'socket', 'aiohttp') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -17,8 +17,8 @@ from aiohttp import web
 from fake_upstreams import SSE_CHUNKS, FakeUpstream, async_test, dead_url, serve
 
 from pd_connector import cli
-from pd_connector import proxy as proxy_mod
-from pd_connector.proxy import PREFILL_KV_PARAMS, build_app
+from pd_connector.proxy import server as proxy_mod
+from pd_connector.proxy.server import PREFILL_KV_PARAMS, build_app
 
 # What a NIXL P returns (shape from vLLM 0.32.0), plus our replay offset.
 P_PARAMS = {
@@ -60,7 +60,7 @@ CLIENT_BODY = {
 
 @async_test
 async def test_completion_p_and_d_bodies(caplog):
-    caplog.set_level(logging.INFO, logger="pd_connector.proxy")
+    caplog.set_level(logging.INFO, logger="pd_connector.proxy.server")
     async with stack() as s:
         async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY,
                                   headers={"X-Request-Id": "req-42"}) as r:

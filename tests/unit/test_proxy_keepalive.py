@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from fake_upstreams import SSE_CHUNKS, FakeUpstream, RawUpstream, async_test, serve
 
-from pd_connector.proxy import build_app
-from pd_connector.proxy_relay import is_stale_connection
+from pd_connector.proxy.server import build_app
+from pd_connector.proxy.relay import is_stale_connection
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1,
@@ -60,7 +60,7 @@ async def metric(url: str, session: aiohttp.ClientSession, name: str, role: str)
 
 @async_test
 async def test_stale_keepalive_connection_to_prefill_is_retried_not_502(caplog):
-    caplog.set_level(logging.INFO, logger="pd_connector.proxy")
+    caplog.set_level(logging.INFO, logger="pd_connector.proxy.server")
     p = RawUpstream(P_ANSWER, drop_on=2)  # drops the 2nd request of every connection
     d = FakeUpstream("d0")
     # prefill_retries=0: the resend must not depend on (nor use up) the prefill retries.

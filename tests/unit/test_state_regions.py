@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.layout import LayoutError, reconcile_regions, state_rows_only
-from pd_connector.protocol import LayerRegion
+from pd_connector.core.layout import LayoutError, reconcile_regions, state_rows_only
+from pd_connector.core.protocol import LayerRegion
 
 
 def _mamba_layer(name: str, conv_kernel: int, dim: int, ssm_bytes: int, spec: int, addr: int, itemsize: int = 2):

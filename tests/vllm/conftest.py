@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny local model so ModelConfig never touches a hub (its weights are not used)."""
-    from pd_connector.testing.tiny_models import build_model
+    from pd_connector.dev.testing.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("llama", root))

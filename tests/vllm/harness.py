@@ -1,7 +1,7 @@
-"""The in-process Scheduler harness lives in ``pd_connector.testing.scheduler_harness`` (the
+"""The in-process Scheduler harness lives in ``pd_connector.dev.testing.scheduler_harness`` (the
 scheduler benchmark uses it too); re-exported here for the tests' ``from harness import ...``."""
 
-from pd_connector.testing.scheduler_harness import (  # noqa: F401
+from pd_connector.dev.testing.scheduler_harness import (  # noqa: F401
     BLOCK,
     EOS,
     connector_half,

@@ -4,7 +4,7 @@ with and without EAGLE's last-unit drop (vllm#51295, #53945)."""
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from pd_connector.handoff import RecomputeProfile, choose_replay_offset
+from pd_connector.core.handoff import RecomputeProfile, choose_replay_offset
 
 
 @pytest.mark.parametrize("unit", [8, 16, 32, 384])

@@ -5,7 +5,7 @@ from harness import connector_half, finished_params, make_request, make_schedule
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from pd_connector.protocol import PROTOCOL_VERSION
+from pd_connector.core.protocol import PROTOCOL_VERSION
 
 P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 

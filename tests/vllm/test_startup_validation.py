@@ -7,11 +7,11 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from pd_connector.config import parse_settings
-from pd_connector.nixl_backends import missing_backends_message
-from pd_connector.protocol import compat_differences
-from pd_connector.side_channel import SideChannelError, SideChannelServer
-from pd_connector.vllm_compat import (
+from pd_connector.core.config import parse_settings
+from pd_connector.transport.backends import missing_backends_message
+from pd_connector.core.protocol import compat_differences
+from pd_connector.transport.side_channel import SideChannelError, SideChannelServer
+from pd_connector.engine.compat import (
     UnsupportedConfig,
     check_supported,
     engine_compat,
@@ -174,7 +174,7 @@ def test_handshake_names_the_setting_p_and_d_differ_in(model_dir, theirs, named)
 
 
 def test_handshake_names_a_different_model(model_dir, tmp_path):
-    from pd_connector.testing.tiny_models import build_model
+    from pd_connector.dev.testing.tiny_models import build_model
 
     other = str(build_model("llama", tmp_path / "other-root"))
     renamed = tmp_path / "other-model"
@@ -190,7 +190,7 @@ def hybrid_model_dir(tmp_path_factory) -> str:
     import os
     from pathlib import Path
 
-    from pd_connector.testing.tiny_models import build_model
+    from pd_connector.dev.testing.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("nemotron_h", root))

@@ -1,0 +1,200 @@
+"""The replay-offset rule: where decode (D) resumes, decided once by prefill (P).
+
+``replay_offset`` R is the number of prompt tokens whose attention KV *and* recurrent (SSM /
+linear-attention) state P hands over. D recomputes tokens ``[R, N)`` of an N-token prompt.
+
+Why one number, chosen by P and sent explicitly: vLLM 0.32 derives the resume point separately
+on each side (``_prefill_backoff`` / ``_get_remote_prefill_token_count`` in
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``) from each side's own
+speculative config and cache mode. When they differ, D resumes on top of a recurrent state that
+belongs to another position: a phantom or a skipped token, silently. Here P picks R, truncates its
+own prompt to exactly R tokens (so the state it holds is the state at R), and D only *validates*.
+
+Pure: ints and msgspec Structs only. No vLLM, torch, NIXL or sockets.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pd_connector.core.protocol import (
+    KEY_MIN_RECOMPUTE,
+    PROTOCOL_VERSION,
+    HandoffParams,
+    ProtocolError,
+    decode_handoff_params,
+)
+
+
+class RecomputeProfile(msgspec.Struct, frozen=True):
+    """What one engine's configuration demands of the prompt tail it recomputes itself.
+
+    Extracted from vLLM config by the adapter (``scheduler.profile_from_vllm``); kept as plain
+    fields so the rule is testable without vLLM.
+    """
+
+    # Any Mamba/SSM/GDN/linear-attention group: its state cannot be rolled back, so D must
+    # recompute at least the last prompt token on top of the state it receives.
+    has_recurrent_state: bool = False
+    # vLLM's ``VllmConfig.num_prefill_lookahead_tokens``: 0 without EAGLE-family drafting, 1 for
+    # EAGLE/EAGLE3/single-module MTP, K for multi-module MTP with K speculative tokens. The last
+    # ``lookahead - 1`` prompt positions of the drafter's KV depend on tokens P never had.
+    prefill_lookahead: int = 0
+    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``).
+    bounded_replay_tokens: int = 0
+    # Prefix caching in Mamba ``align`` mode stores recurrent state only on a grid of this many
+    # tokens; an offset on the grid lets the receiving engine register the state where its own
+    # cache manager will look for it. 0 = no grid.
+    replay_grid: int = 0
+    # EAGLE-family drafting with prefix caching: vLLM checkpoints Mamba state one grid unit
+    # earlier (get_mamba_prefill_checkpoint_position: floor(N/u)*u - u, "the EAGLE drop").
+    eagle_drop: bool = False
+
+
+def min_recompute_tokens(profile: RecomputeProfile) -> int:
+    """The fewest prompt tokens an engine with ``profile`` must recompute after a handoff.
+
+    Always >= 1: vLLM needs at least one computed prompt token to produce logits (it rewinds a
+    full hit by one token in ``Scheduler._update_waiting_for_remote_kv``); making that explicit
+    keeps "D recomputes exactly N - R tokens" true for attention-only models too.
+    """
+    return max(1, profile.prefill_lookahead - 1, profile.bounded_replay_tokens)
+
+
+def choose_replay_offset(
+    num_prompt_tokens: int,
+    profile: RecomputeProfile,
+    requested_min_recompute: int = 0,
+) -> int:
+    """P's single decision: how many prompt tokens to compute and hand over.
+
+    ``requested_min_recompute`` is D's own requirement when the router passes it (the
+    ``pd_min_recompute_tokens`` field), so P picks an offset D will accept. The result lies in
+    ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole prompt.
+    """
+    if num_prompt_tokens <= 0:
+        return 0
+    tail = max(min_recompute_tokens(profile), max(0, requested_min_recompute))
+    offset = num_prompt_tokens - tail
+    grid = profile.replay_grid
+    if grid > 0:
+        offset -= offset % grid
+        if profile.eagle_drop:
+            offset = min(offset, num_prompt_tokens // grid * grid - grid)
+    return max(0, offset)
+
+
+def offered_offset(chosen: int, num_computed_tokens: int) -> int:
+    """What P may hand over at finish: the chosen offset only if P computed exactly that many
+    tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
+    it the state at another position is the silent desync this project exists to prevent."""
+    return chosen if chosen > 0 and num_computed_tokens == chosen else 0
+
+
+def requested_min_recompute(raw: object) -> int | None:
+    """The router's ``pd_min_recompute_tokens``: a non-negative int, 0 when absent, None when
+    malformed (the caller logs and ignores it)."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        return None
+    return raw
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    """D honours P's offset: load ``offset`` tokens, recompute ``[offset, N)``."""
+
+    offset: int
+    params: HandoffParams
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """D cannot honour the handoff; it recomputes the prompt locally.
+
+    ``kind`` is a stable label for metrics; ``reason`` is the human-readable log text.
+    ``params`` is set when the handoff itself decoded (so P can still be told to release).
+    """
+
+    kind: str
+    reason: str
+    params: HandoffParams | None = None
+
+
+Decision = Accepted | Refused
+
+
+def decide_on_decode(
+    raw_params: object, num_prompt_tokens: int, profile: RecomputeProfile, num_groups: int | None = None
+) -> Decision:
+    """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
+
+    D never derives an offset of its own. A P that sends none (e.g. vLLM's NixlConnector) gets
+    the documented rule for that case: the handoff is refused with kind ``missing_offset`` and D
+    prefills the prompt itself. Wrong output is never an option, a local recompute always is.
+
+    ``num_groups`` is D's number of transferred KV-cache groups. A different count means the two
+    engines lay out their caches differently (e.g. a drafter with its own KV on one side only);
+    that is checked before the offset, so the refusal names the structural cause, which no
+    routing hint can fix, rather than an offset a hint would only move.
+    """
+    try:
+        params = decode_handoff_params(raw_params)
+    except ProtocolError as exc:
+        return Refused(kind=exc.kind, reason=str(exc))
+    offset = params.replay_offset
+    if offset > 0 and num_groups is not None and len(params.remote_block_ids) != num_groups:
+        return Refused(
+            kind="group_mismatch",
+            reason=(
+                f"P sent {len(params.remote_block_ids)} block lists, this instance has {num_groups} "
+                "KV-cache groups (different cache layouts, e.g. a drafter with its own KV on one "
+                "side only)"
+            ),
+            params=params,
+        )
+    if offset >= num_prompt_tokens:
+        return Refused(
+            kind="offset_out_of_range",
+            reason=(
+                f"replay_offset={offset} is not below the prompt length {num_prompt_tokens} "
+                "(the decode instance must recompute at least one prompt token)"
+            ),
+            params=params,
+        )
+    need = min_recompute_tokens(profile)
+    if offset > 0 and num_prompt_tokens - offset < need:
+        return Refused(
+            kind="offset_above_requirement",
+            reason=(
+                f"replay_offset={offset} leaves {num_prompt_tokens - offset} token(s) to "
+                f"recompute but this decode instance needs at least {need} "
+                f"(recurrent state={profile.has_recurrent_state}, "
+                f"prefill lookahead={profile.prefill_lookahead}); route with "
+                f"{KEY_MIN_RECOMPUTE}={need} so the prefill instance backs off further"
+            ),
+            params=params,
+        )
+    if params.remote_num_tokens is not None and params.remote_num_tokens != offset:
+        return Refused(
+            kind="inconsistent_params",
+            reason=(
+                f"remote_num_tokens={params.remote_num_tokens} disagrees with "
+                f"replay_offset={offset}: the parameters were altered in transit"
+            ),
+            params=params,
+        )
+    return Accepted(offset=offset, params=params)
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Accepted",
+    "Decision",
+    "RecomputeProfile",
+    "Refused",
+    "choose_replay_offset",
+    "decide_on_decode",
+    "min_recompute_tokens",
+    "offered_offset",
+    "requested_min_recompute",
+]

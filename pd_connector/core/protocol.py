@@ -1,0 +1,369 @@
+"""Everything that crosses a process boundary: ``kv_transfer_params`` fields and side-channel
+messages, each a versioned ``msgspec.Struct`` with decoders built once.
+
+Pure: no vLLM, torch, NIXL or sockets. Bump ``PROTOCOL_VERSION`` on any incompatible change to
+these types *or their meaning* (e.g. what ``replay_offset`` counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import reprlib
+from typing import Annotated
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# kv_transfer_params keys added to vLLM NixlConnector's (a superset, so routers that forward the
+# dict opaquely keep working).
+KEY_REPLAY_OFFSET = "replay_offset"
+KEY_VERSION = "pd_protocol_version"
+# Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
+KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
+
+# What a router sends P with the prompt (vLLM's toy-proxy fields): keep the blocks for a remote
+# decode. The remote_* fields are present as None because vLLM's NIXL connector reads them
+# unconditionally, and routers may point the same body at either connector.
+PREFILL_REQUEST_PARAMS: dict = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+MAX_BLOCK_ID = 2**31 - 1
+# A block id P may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
+# Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
+# step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
+BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
+
+# Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """Malformed or incompatible input. ``kind`` is a stable metrics label."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class HandoffParams(msgspec.Struct, frozen=True):
+    """The ``kv_transfer_params`` P returns and D consumes (fields D relies on).
+
+    NixlConnector-compatible names; ``replay_offset`` and ``pd_protocol_version`` are ours.
+    """
+
+    pd_protocol_version: int
+    replay_offset: int
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    # One list per KV-cache transfer group of P, in group order: P's block ids carrying KV of
+    # [0, replay_offset) (attention) or the recurrent state at replay_offset (Mamba).
+    remote_block_ids: list[list[BlockId]]
+    do_remote_prefill: bool = True
+    remote_num_tokens: int | None = None
+
+
+
+def encode_handoff_params(
+    offset: int, source: list[list[int]], *, engine_id: str, request_id: str, host: str, port: int
+) -> dict:
+    """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
+    kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
+    work unchanged, plus ``replay_offset`` and the protocol version."""
+    return {
+        "do_remote_prefill": offset > 0,
+        "do_remote_decode": False,
+        "remote_block_ids": source,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": offset,
+        "remote_blocks_expiry_time": None,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
+        KEY_REPLAY_OFFSET: offset,
+        KEY_VERSION: PROTOCOL_VERSION,
+    }
+
+
+def decode_handoff_params(raw: object) -> HandoffParams:
+    """Validate D's incoming ``kv_transfer_params``; raise ``ProtocolError`` naming the field."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(
+            "malformed", f"kv_transfer_params must be an object, got {type(raw).__name__}"
+        )
+    if KEY_REPLAY_OFFSET not in raw:
+        raise ProtocolError(
+            "missing_offset",
+            "kv_transfer_params carry no replay_offset (the prefill instance is not "
+            "pd_connector, e.g. vLLM's NixlConnector); recomputing the prompt locally",
+        )
+    version = raw.get(KEY_VERSION)
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            "version_mismatch",
+            f"{KEY_VERSION}={reprlib.repr(version)} but this instance speaks protocol "
+            f"{PROTOCOL_VERSION}; upgrade the older side",
+        )
+    known = {k: raw[k] for k in HandoffParams.__struct_fields__ if k in raw}
+    try:
+        params = msgspec.convert(known, HandoffParams, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("malformed", f"kv_transfer_params: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "kv_transfer_params nested too deeply") from None
+    _check_ranges(params)
+    return params
+
+
+class ReleaseTarget(msgspec.Struct, frozen=True):
+    """Where to tell a P that D will not read a request (best effort)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+
+
+def release_target(raw: object) -> ReleaseTarget | None:
+    """The P to release, from params too broken to decode as a whole (wrong version, bad
+    offset...), so P frees the blocks now rather than at lease expiry. None if unusable, and
+    None for params without ``replay_offset``: they come from another connector (vLLM's NIXL),
+    whose side channel must never receive our messages (its listener dies on them)."""
+    if not isinstance(raw, dict) or KEY_REPLAY_OFFSET not in raw:
+        return None
+    try:
+        target = msgspec.convert(
+            {k: raw.get(k) for k in ReleaseTarget.__struct_fields__}, ReleaseTarget, strict=True
+        )
+    except (msgspec.ValidationError, RecursionError):
+        return None
+    return target if 0 < target.remote_port < 65536 and target.remote_host else None
+
+
+def _check_ranges(params: HandoffParams) -> None:
+    if params.replay_offset < 0:
+        raise ProtocolError(
+            "offset_out_of_range", f"replay_offset={params.replay_offset} is negative"
+        )
+    if not 0 < params.remote_port < 65536:
+        raise ProtocolError("malformed", f"remote_port={params.remote_port} is not a TCP port")
+    if not params.remote_host or not params.remote_engine_id or not params.remote_request_id:
+        raise ProtocolError(
+            "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
+        )
+    # Block ids are range-checked by msgspec.convert (BlockId).
+
+
+# --- side channel -----------------------------------------------------------------------------
+
+
+class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's per-block pages (or one recurrent state of a Mamba layer) live.
+
+    Page of block b: ``[addr + b * block_stride, + page_bytes)``. Derived from vLLM's
+    ``KVCacheTensor`` placement, so it is exact for every layout vLLM allocates. A Mamba layer
+    contributes one region per state (``name#i``), because the width of its conv state depends
+    on the engine's speculative token count (``conv_kernel - 1 + num_spec`` rows, see
+    ``MambaStateShapeCalculator`` in vLLM), which moves every later state inside the page.
+    ``rows`` is the state's leading dimension and ``scratch_rows`` the engine's speculative token
+    count; ``layout.reconcile_regions`` uses them to copy only the rows both engines hold.
+    """
+
+    name: str
+    group: int
+    addr: int
+    block_stride: int
+    page_bytes: int
+    num_blocks: int
+    rows: int = 0
+    scratch_rows: int = 0
+
+
+class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
+    """One KV-cache group, as far as a peer must agree on it."""
+
+    kind: str  # "attention" | "sliding_window" | "mamba"
+    block_size: int
+    page_bytes: int
+    layer_names: list[str]
+
+
+class EngineCompat(msgspec.Struct, frozen=True):
+    """Settings P and D must share for raw page copies to be meaningful."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    groups: list[GroupDesc]
+    conv_state_layout: str
+    tensor_parallel_size: int
+    device: str
+    # Method and draft model of a drafter with its own KV cache (EAGLE/EAGLE3/MTP/draft model;
+    # "none" without one, e.g. ngram): a D that drafts needs the drafter's KV for the prefix,
+    # which only a P running the same drafter computed. The token count may differ (the replay
+    # offset absorbs that).
+    speculative: str = "none"
+
+
+def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
+    """Human-readable differences, one per setting (empty list = compatible)."""
+    diffs = []
+    for field in EngineCompat.__struct_fields__:
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if field == "groups":
+            if len(a) != len(b):
+                diffs.append(f"number of KV-cache groups: local {len(a)}, remote {len(b)}")
+                continue
+            for i, (ga, gb) in enumerate(zip(a, b)):
+                for sub in GroupDesc.__struct_fields__:
+                    va, vb = getattr(ga, sub), getattr(gb, sub)
+                    if va != vb:
+                        diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}")
+        elif a != b:
+            diffs.append(f"{field}: local {a!r}, remote {b!r}")
+    return diffs
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """D -> P: open a session. Carries D's compat so P can log what differs too."""
+
+    engine_id: str
+    compat: EngineCompat
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """P -> D: NIXL agent metadata and the page map D reads from."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    regions: list[LayerRegion]
+    compat: EngineCompat
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """D -> P: D will not read these requests' blocks (refused, or its own prefix hit
+    covered them); P may free them now instead of at lease expiry."""
+
+    request_ids: list[str]
+
+
+class Claim(msgspec.Struct, tag="claim", frozen=True):
+    """D -> P, before every READ: "I am about to read these blocks of your request at this
+    offset". P grants it only if that is exactly what it leased for the request, and extends
+    the lease; so parameters rewritten in transit, or a lease that already expired (its blocks
+    possibly reused), are refused before a single byte is read."""
+
+    engine_id: str
+    request_id: str
+    replay_offset: int
+    block_ids: list[list[int]]
+    # How long P may hold the answer while the lease is still on its way from P's scheduler to
+    # its worker (one engine step; the claim can overtake it): P answers the moment it lands
+    # instead of D polling. 0 (and P without this field): answer at once, Pending if unknown.
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0
+
+
+class Extend(msgspec.Struct, tag="extend", frozen=True):
+    """D -> P, periodically: D still intends to read these requests (they wait for admission
+    on D); P extends their leases so a busy D does not lose them."""
+
+    request_ids: list[str]
+
+
+class Granted(msgspec.Struct, tag="granted", frozen=True):
+    """P -> D: the claim matches a live lease, now valid for ``lease_seconds`` more.
+    ``state_digest`` (optional): SHA-256 of the recurrent-state pages, for D to verify."""
+
+    lease_seconds: float
+    state_digest: bytes = b""
+
+
+class Pending(msgspec.Struct, tag="pending", frozen=True):
+    """P -> D: no lease for that request *yet* (its grant travels with P's next engine step);
+    ask again shortly. Keeps P's side-channel thread from ever waiting on one peer."""
+
+    reason: str
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    pass
+
+
+class Reject(msgspec.Struct, tag="reject", frozen=True):
+    """P -> D: the request was refused; ``reason`` says why."""
+
+    reason: str
+
+
+Message = Hello | Welcome | Release | Claim | Extend | Granted | Pending | Ack | Reject
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """Stable outer frame: the version is checked before the body is decoded, so a peer with a
+    different schema fails with "protocol version X vs Y", not a decode error. ``mac`` is
+    HMAC-SHA256(shared secret, body) when a secret is configured."""
+
+    protocol_version: int
+    body: bytes
+    mac: bytes = b""
+
+
+_envelope_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_message_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def _mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def encode_message(message: Message, secret: bytes = b"") -> bytes:
+    body = _envelope_encoder.encode(message)
+    mac = _mac(secret, body) if secret else b""
+    return _envelope_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac))
+
+
+def decode_message(data: bytes, secret: bytes = b"") -> Message:
+    """Decode a side-channel frame or raise ``ProtocolError`` saying what was wrong. With a
+    ``secret``, frames without a valid MAC are refused before their body is decoded."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            "oversized", f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} limit"
+        )
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("malformed", f"side-channel frame: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "side-channel frame nested too deeply") from None
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version_mismatch",
+            f"peer speaks pd_connector protocol {envelope.protocol_version}, "
+            f"this instance {PROTOCOL_VERSION}",
+        )
+    if secret and not hmac.compare_digest(envelope.mac, _mac(secret, envelope.body)):
+        raise ProtocolError(
+            "unauthenticated",
+            "side-channel message without a valid MAC: the peer's shared_secret differs or is unset",
+        )
+    try:
+        return _message_decoder.decode(envelope.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("malformed", f"side-channel message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "side-channel message nested too deeply") from None

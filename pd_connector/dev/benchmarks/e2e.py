@@ -1,0 +1,369 @@
+"""End to end on vLLM CPU: pd_connector vs vLLM's NixlConnector, same model, same prompts.
+
+Two P/D deployments run side by side (four vLLM CPU servers, the most the 2-core box is meant
+to hold): P and D with ``PDConnector`` behind ``pd-connector proxy``, and P and D with vLLM's
+``NixlConnector`` (cpu-recipes.md section 7: ``"kv_buffer_device":"cpu"``, per-instance
+``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``) behind the same proxy: it sends P vLLM's toy-proxy fields
+and forwards P's ``kv_transfer_params`` to D opaquely, which is all NixlConnector needs. Same
+model, flags and placement on both (``testing.placement.cpu_binds`` for the four: unpinned,
+one OpenMP thread each, on a 2-core box; vLLM's NixlConnector pins its own worker thread).
+Every prompt (a new one per round and length, so no prefix cache ever hits) goes to both
+deployments, one request at a time, alternating which goes first (A B, B A, ...) so drift on
+the shared box hits both alike. With ``--isolate`` (the default) the deployment not serving is
+stopped (SIGSTOP on its process groups) for the request, so neither system's idle spinning or
+trouble (a NixlConnector handshake retrying for seconds) lands in the other's figures.
+
+Per request, measured by this client through the proxy (streaming ``/v1/completions``):
+  TTFT   send -> first streamed chunk carrying a generated token
+  total  send -> ``[DONE]``
+Handoff overhead per deployment, from the servers' own Prometheus series over the measured
+requests (warm-up excluded): D's mean TTFT (``vllm:time_to_first_token_seconds``, arrival on
+D -> first token: queueing, the KV/state load, recomputing the tail, sampling) minus D's mean
+inter-token latency (one decode step ~ recomputing the one-token tail), i.e. what "P done ->
+D's first token" costs beyond D's recompute; and the connector's own transfer time
+(``vllm:pd_transfer_seconds`` / ``vllm:nixl_xfer_time_seconds``).
+
+  pd-connector bench e2e --quick     # one hybrid, 3 lengths x 3 rounds (5-9 min on 2 loaded cores)
+  pd-connector bench e2e             # tiny Nemotron-H hybrid and llama, 5 lengths x 8 rounds
+
+Start it under ``flock /tmp/pd-vllm.lock`` on a shared box (it starts vLLM servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pd_connector.dev.benchmarks import report
+from pd_connector.dev.benchmarks.e2e_report import (
+    SYSTEMS,
+    handoff_figures,
+    handoff_table,
+    latency_table,
+    plot,
+    summarize,
+)
+from pd_connector.dev.testing.placement import cpu_binds
+from pd_connector.dev.testing.process_groups import signal_group
+from pd_connector.urls import OPENER
+
+
+
+def nixl_transfer_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+class Deployment:
+    """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
+
+    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
+                 placement: list[tuple[str, dict[str, str]]]):
+        from pd_connector.dev.testing.ports import free_port
+        from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
+        from pd_connector.dev.testing.stack import kv_transfer_config
+
+        self.system = system
+        self.log_dir = log_dir
+        env = source_checkout_env()
+        servers = {}
+        for role, (bind, bind_env) in zip(("prefill", "decode"), placement):
+            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+            if system == "pd":
+                config, extra_env = kv_transfer_config(kv_role, free_port()), {}
+            else:
+                config = nixl_transfer_config(kv_role)
+                extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            servers[role] = VllmServer(
+                model,
+                extra_args=[*server_args, "--kv-transfer-config", config],
+                env={**env, **bind_env, **extra_env},
+                omp_threads_bind=bind,
+                max_model_len=max_model_len,
+                log_path=log_dir / f"{system}-{role}.log",
+            )
+        self.prefill, self.decode = servers["prefill"], servers["decode"]
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = ""
+        self._env = env
+
+    def start_proxy(self) -> None:
+        from pd_connector.dev.testing.ports import free_port
+
+        port = free_port()
+        log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "pd_connector.cli", "proxy", "--prefill", self.prefill.base_url,
+             "--decode", self.decode.base_url, "--port", str(port)],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self._env},
+        )
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proxy.poll() is not None:
+                raise RuntimeError(f"{self.system} proxy exited; see {self.log_dir}")
+            try:
+                with OPENER.open(self.proxy_url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
+
+    def _groups(self) -> list[int]:
+        # Each server and the proxy run in their own session: group id == the PID started.
+        pids = [self.prefill.pid, self.decode.pid, self.proxy.pid if self.proxy is not None else None]
+        return [pid for pid in pids if pid is not None]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of this deployment (--isolate): while the other system serves
+        a request, nothing of this one (engine loops, post-step spin, NIXL/UCX threads, a
+        handshake retrying) competes for the two cores."""
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.resume()  # a stopped process would hold its SIGTERM until SIGCONT
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()  # by PID: the process we started
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+        for server in (self.prefill, self.decode):
+            server.stop()
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streaming completion; times the first token chunk and the end of the stream."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, chunks, text, done = None, 0, [], False
+    with OPENER.open(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                resp.read()  # to the end of the response: closing earlier reads as a client abort
+                break
+            choices = json.loads(data).get("choices") or []
+            if choices:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+                text.append(choices[0].get("text") or "")
+    total = time.perf_counter() - t0
+    if not done or ttft is None:
+        raise RuntimeError(f"incomplete stream from {url}: done={done}, chunks={chunks}")
+    return {"ttft_s": ttft, "total_s": total, "chunks": chunks, "text": "".join(text)}
+
+
+def send(url: str, prompt: list[int], max_tokens: int, errors: list[dict], system: str) -> dict[str, Any]:
+    """``stream_completion``, sent once more after an HTTP or connection error (recorded in
+    ``errors`` and printed: e.g. a 502 when the proxy reuses a keep-alive connection D just
+    closed). The retry's timings are the ones recorded."""
+    try:
+        return stream_completion(url, prompt, max_tokens)
+    except (OSError, RuntimeError) as exc:  # urllib's HTTPError/URLError are OSErrors
+        errors.append({"system": system, "prompt_len": len(prompt), "error": repr(exc)})
+        print(f"  {system}: {exc!r}; sending once more", flush=True)
+        return stream_completion(url, prompt, max_tokens)
+
+
+# Prometheus series read before and after the measured requests (sum and count of each).
+SERIES = {
+    "decode": [
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:pd_transfer_seconds",
+        "vllm:pd_claim_seconds",
+        "vllm:pd_read_seconds",
+        "vllm:nixl_xfer_time_seconds",
+    ],
+    "prefill": ["vllm:e2e_request_latency_seconds", "vllm:pd_claim_held_seconds"],
+}
+
+
+def snapshot(dep: Deployment) -> dict[str, float | None]:
+    from pd_connector.dev.testing.prometheus import parse_metric, parse_metric_labels
+
+    out: dict[str, float | None] = {}
+    for role, names in SERIES.items():
+        server = getattr(dep, role)
+        with OPENER.open(server.base_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+        for name in names:
+            for part in ("sum", "count"):
+                out[f"{role}:{name}_{part}"] = parse_metric(text, f"{name}_{part}")
+            # Cumulative bucket counts too (the JSON only): a mean cannot tell one slow
+            # request from many.
+            for labels in parse_metric_labels(text, f"{name}_bucket"):
+                le = labels.get("le")
+                out[f"{role}:{name}_bucket:{le}"] = parse_metric(text, f"{name}_bucket", {"le": le})
+    return out
+
+
+def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
+    from pd_connector.dev.testing.cpu_matrix import CPU_MODELS, random_prompt
+    from pd_connector.dev.testing.servers import start_many
+    from pd_connector.dev.testing.tiny_models import build_model
+
+    model = str(build_model(kind, Path(args.model_root)))
+    log_dir = log_root / kind
+    log_dir.mkdir(parents=True, exist_ok=True)
+    placement = cpu_binds(2 * len(SYSTEMS))  # all four run at once
+    deps = {
+        s: Deployment(s, model, list(CPU_MODELS[kind]), log_dir, args.max_model_len, placement[2 * i : 2 * i + 2])
+        for i, s in enumerate(SYSTEMS)
+    }
+    t0 = time.monotonic()
+    try:
+        start_many([srv for d in deps.values() for srv in (d.prefill, d.decode)], timeout=900)
+        for d in deps.values():
+            d.start_proxy()
+        started = time.monotonic() - t0
+        print(f"[{kind}] 4 servers and 2 proxies up in {started:.0f} s (logs {log_dir})", flush=True)
+        # Warm-up, not timed: handshakes (NIXL agents, side channels), first-use paths. A failure
+        # here is kept in the JSON (e.g. NixlConnector's first handshake timing out on a loaded
+        # box fails that request under its kv_load_failure_policy=fail) and the request is sent
+        # once more, as in the measured rounds.
+        warmup_errors: list[dict] = []
+        for i, n in enumerate((max(args.lengths), min(args.lengths))):
+            for s in SYSTEMS:
+                send(deps[s].proxy_url, random_prompt(n, seed=10_000 + i), args.max_tokens, warmup_errors, s)
+        before = {s: snapshot(deps[s]) for s in SYSTEMS}
+        records: list[dict] = []
+        errors: list[dict] = []
+        for rnd in range(args.rounds):
+            for i, n in enumerate(args.lengths):
+                prompt = random_prompt(n, seed=rnd * 1000 + i)
+                order = SYSTEMS if (rnd + i) % 2 == 0 else SYSTEMS[::-1]
+                outs = {}
+                for s in order:
+                    if args.isolate:
+                        for other in SYSTEMS:
+                            (deps[other].resume if other == s else deps[other].pause)()
+                    # vLLM CPU workers spin (sched_yield) for ~1 s after their last step
+                    # (shm_broadcast.py SpinCondition): let the other deployment's go quiet first,
+                    # so each request runs on a box the other system is not still burning.
+                    time.sleep(args.gap_s)
+                    outs[s] = send(deps[s].proxy_url, prompt, args.max_tokens, errors, s)
+                    records.append({"model": kind, "system": s, "round": rnd, "prompt_len": n,
+                                    "first": s == order[0], **{k: v for k, v in outs[s].items() if k != "text"}})  # fmt: skip
+                records[-1]["same_text"] = records[-2]["same_text"] = outs["pd"]["text"] == outs["nixl"]["text"]
+            line = "  ".join(
+                f"{s} {statistics.median(r['ttft_s'] for r in records if r['system'] == s and r['round'] == rnd) * 1e3:.0f} ms"
+                for s in SYSTEMS
+            )
+            print(f"[{kind}] round {rnd + 1}/{args.rounds}: median TTFT {line}", flush=True)
+        for d in deps.values():
+            d.resume()
+        after = {s: snapshot(deps[s]) for s in SYSTEMS}
+    finally:
+        for d in deps.values():
+            d.close()
+    return {
+        "model": kind,
+        "startup_s": started,
+        "records": records,
+        "handoff": {s: handoff_figures(before[s], after[s], s) for s in SYSTEMS},
+        "errors": errors,
+        "warmup_errors": warmup_errors,
+        "metrics_before": before,
+        "metrics_after": after,
+    }
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="pd-connector bench e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=".artifacts/bench/", help="folder for e2e.json / e2e.png and the server logs")
+    ap.add_argument("--quick", action="store_true", help="nemotron_h only, lengths 64 400 900, 3 rounds, 8 tokens")
+    ap.add_argument("--models", nargs="+", choices=["nemotron_h", "llama", "granite_hybrid"])
+    ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in tokens (default 64 128 256 512 900)")
+    ap.add_argument("--rounds", type=int, help="prompts per length, each sent to both deployments (default 8)")
+    ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; --quick 8)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                    help="SIGSTOP the other deployment while one serves a request (default on: on a "
+                         "small box each system's idle processes and failures otherwise slow the other's "
+                         "requests; --no-isolate runs both side by side)")
+    ap.add_argument("--gap-s", type=float, default=1.5,
+                    help="pause before each request (default 1.5: past vLLM CPU's 1 s post-step spin)")
+    ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
+    args = ap.parse_args(argv)
+    args.models = args.models or (["nemotron_h"] if args.quick else ["nemotron_h", "llama"])
+    args.lengths = args.lengths or ([64, 400, 900] if args.quick else [64, 128, 256, 512, 900])
+    args.rounds = args.rounds or (3 if args.quick else 8)
+    args.max_tokens = args.max_tokens or (8 if args.quick else 16)
+    if max(args.lengths) + args.max_tokens > args.max_model_len:
+        ap.error("the longest prompt plus --max-tokens must fit --max-model-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    print(f"bench e2e: models {args.models}, lengths {args.lengths}, {args.rounds} rounds, {args.max_tokens} tokens, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    log_root = Path(args.out) / "e2e-logs"
+    runs = [run_model(kind, args, log_root) for kind in args.models]
+    rows = summarize(runs, args.lengths)
+    title = (f"P/D end to end on vLLM CPU through pd-connector proxy: pd_connector vs NixlConnector, "
+             f"{args.rounds} prompts per length, {args.max_tokens} tokens")  # fmt: skip
+    lat, hand = latency_table(rows), handoff_table(runs)
+    print(f"\n== {title} ==\nmedian / p90 over the measured requests (warm-up excluded); ratio = pd median / nixl median\n")
+    print(lat)
+    print("\nhandoff, from the servers' metrics (means): overhead = D TTFT - D inter-token latency (P done -> D's first")
+    print("token, less D's one-token recompute); transfer = the connector's own figure (pd_connector: claim ->")
+    print("READ done; NixlConnector: its READ); claim = D's claim round trip; P held = claims P held for their")
+    print("lease (count); READ = the READ alone\n")
+    print(hand)
+    for run in runs:
+        if run["errors"]:
+            print(f"\n{run['model']}: {len(run['errors'])} request(s) failed once and were sent again: "
+                  + "; ".join(f"{e['system']} n={e['prompt_len']}: {e['error']}" for e in run["errors"]))
+    paths = report.write(
+        args.out,
+        "e2e",
+        {
+            "benchmark": "e2e",
+            "environment": report.environment(),
+            "args": vars(args),
+            "summary": rows,
+            "runs": runs,
+            "latency_table": lat,
+            "handoff_table": hand,
+            "wall_s": time.monotonic() - t_start,
+        },
+        lambda path: plot(rows, path, title),
+    )
+    print(f"\nwrote {', '.join(paths)} ({time.monotonic() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,218 @@
+"""A P/D deployment for tests, the demo and the integration script: an aggregated baseline,
+P and D vLLM servers with PDConnector, and our proxy, all on loopback.
+
+Shared by ``tests/e2e``, ``pd_connector.dev.demo`` and ``scripts/integration.py`` so that each
+server configuration is started once per run and driven the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from pd_connector.core.protocol import PREFILL_REQUEST_PARAMS
+from pd_connector.dev.testing.oracle import Completion, complete
+from pd_connector.dev.testing.placement import cpu_binds
+from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
+
+
+def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "PDConnector",
+            "kv_connector_module_path": "pd_connector.connector",
+            "kv_role": role,
+            "kv_buffer_device": device,
+            "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
+        }
+    )
+
+
+@dataclass
+class StackConfig:
+    model: str
+    served_model_name: str = "tiny"
+    # Extra vLLM arguments for all three servers (same model config on each side).
+    server_args: Sequence[str] = ()
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    baseline_args: Sequence[str] = ()
+    prefill_args: Sequence[str] = ()
+    decode_args: Sequence[str] = ()
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    # Per-server environment (e.g. CUDA_VISIBLE_DEVICES on GPUs).
+    baseline_env: dict[str, str] = field(default_factory=dict)
+    prefill_env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)
+    with_baseline: bool = True
+    with_proxy: bool = True
+    # Extra `pd-connector proxy` arguments (e.g. --decode-min-recompute K).
+    proxy_args: Sequence[str] = ()
+    log_dir: str | None = None
+
+
+class PDStack:
+    """Starts baseline, P, D (in parallel) and the proxy; ``close()`` stops all by PID."""
+
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pd-stack-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.side_channel_port = free_port()
+        common = dict(
+            served_model_name=config.served_model_name,
+            max_model_len=config.max_model_len,
+            dtype=config.dtype,
+        )
+        env = source_checkout_env()
+        # All of them run at once (start_many, then for the whole stack's life): on CPU, one core
+        # each while there are enough, else all unpinned (placement.cpu_binds); "auto" elsewhere.
+        roles = (["baseline"] if config.with_baseline else []) + ["prefill", "decode"]
+        if config.device == "cpu":
+            binds = dict(zip(roles, cpu_binds(len(roles))))
+        else:
+            binds = {role: ("auto", {}) for role in roles}
+        self.prefill = VllmServer(
+            config.model,
+            extra_args=[
+                *config.server_args,
+                *config.prefill_args,
+                "--kv-transfer-config",
+                kv_transfer_config("kv_producer", self.side_channel_port, config.device, **config.extra_config),
+            ],
+            env={**env, **binds["prefill"][1], **config.prefill_env},
+            omp_threads_bind=binds["prefill"][0],
+            log_path=self.log_dir / "prefill.log",
+            **common,
+        )
+        self.decode = VllmServer(
+            config.model,
+            extra_args=[
+                *config.server_args,
+                *config.decode_args,
+                "--kv-transfer-config",
+                kv_transfer_config("kv_consumer", free_port(), config.device, **config.extra_config),
+            ],
+            env={**env, **binds["decode"][1], **config.decode_env},
+            omp_threads_bind=binds["decode"][0],
+            log_path=self.log_dir / "decode.log",
+            **common,
+        )
+        self.baseline = None
+        if config.with_baseline:
+            self.baseline = VllmServer(
+                config.model,
+                extra_args=[*config.server_args, *config.baseline_args],
+                env={**env, **binds["baseline"][1], **config.baseline_env},
+                omp_threads_bind=binds["baseline"][0],
+                log_path=self.log_dir / "baseline.log",
+                **common,
+            )
+        self.proxy_url: str | None = None
+        self._proxy: subprocess.Popen | None = None
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [s for s in (self.baseline, self.prefill, self.decode) if s is not None]
+
+    def start(self, timeout: float = 600.0) -> "PDStack":
+        try:
+            start_many(self.servers, timeout=timeout)
+            if self.config.with_proxy:
+                self._start_proxy()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_proxy(self) -> None:
+        port = free_port()
+        log = open(self.log_dir / "proxy.log", "wb")
+        self._proxy = subprocess.Popen(
+            [
+                sys.executable, "-m", "pd_connector.cli", "proxy",
+                "--prefill", self.prefill.base_url,
+                "--decode", self.decode.base_url,
+                "--port", str(port),
+                *self.config.proxy_args,
+            ],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": self.prefill.env.get("PYTHONPATH", "")},
+        )
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self._proxy.poll() is not None:
+                raise RuntimeError(f"proxy exited: {(self.log_dir / 'proxy.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.proxy_url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("proxy did not become healthy within 60 s")
+
+    def close(self) -> None:
+        if self._proxy is not None and self._proxy.poll() is None:
+            self._proxy.terminate()
+            try:
+                self._proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proxy.kill()
+                self._proxy.wait()
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> "PDStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def reference(self, prompt: Sequence[int], max_tokens: int, **kw) -> Completion:
+        assert self.baseline is not None
+        return complete(self.baseline.base_url, self.config.served_model_name, prompt, max_tokens, **kw)
+
+    def prefill_only(self, prompt: Sequence[int], **extra_params) -> dict[str, Any]:
+        """Step 1 of the P/D flow: P's returned kv_transfer_params."""
+        out = complete(
+            self.prefill.base_url,
+            self.config.served_model_name,
+            prompt,
+            1,
+            logprobs=None,
+            kv_transfer_params={**PREFILL_REQUEST_PARAMS, **extra_params},
+        )
+        return out.kv_transfer_params or {}
+
+    def decode_with(self, prompt: Sequence[int], params: dict[str, Any] | None, max_tokens: int, **kw) -> Completion:
+        """Step 2: D with (possibly edited) params."""
+        return complete(
+            self.decode.base_url,
+            self.config.served_model_name,
+            prompt,
+            max_tokens,
+            kv_transfer_params=params,
+            **kw,
+        )
+
+    def handoff(self, prompt: Sequence[int], max_tokens: int, **kw) -> tuple[dict[str, Any], Completion]:
+        params = self.prefill_only(prompt)
+        return params, self.decode_with(prompt, params, max_tokens, **kw)
+
+    def via_proxy(self, prompt: Sequence[int], max_tokens: int, **kw) -> Completion:
+        assert self.proxy_url is not None
+        return complete(self.proxy_url, self.config.served_model_name, prompt, max_tokens, **kw)

@@ -1,0 +1,374 @@
+"""Scheduler-side half of PDConnector (runs in vLLM's EngineCore process).
+
+Translates vLLM ``Request`` / block tables into plain values, asks the pure core
+(``handoff``, ``pairing``) what to do, and hands the worker a ``PDMetadata`` each step.
+
+P (``do_remote_decode``): ``on_new_request`` chooses the replay offset R and truncates the
+prompt to exactly R tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped
+``assert num_new_tokens > 0``, vllm#53514), idempotently under preemption. At finish, the blocks
+carrying [0, R) and the state at R are leased and returned in ``kv_transfer_params``.
+
+D (``do_remote_prefill``): ``on_new_request`` validates P's offset once (logging and counting a
+refusal once); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
+pairing maps P's blocks onto D's and the worker reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from pd_connector.core import handoff
+
+from pd_connector.core import pairing
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.engine.metrics import Recorder
+from pd_connector.core.leases import extension_interval
+from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
+from pd_connector.core.protocol import (
+    KEY_MIN_RECOMPUTE,
+    encode_handoff_params,
+    release_target,
+)
+from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector")
+
+# Test-only fault injection (PD_CONNECTOR_FAULT_INJECTION=1 on D): a request whose params carry
+# this key resumes that many tokens away from P's offset while still claiming P's real lease,
+# i.e. the silent desync of vLLM's implicit rule. The e2e negative controls use it to prove the
+# output oracle would catch a one-token desync; never enable it in production.
+FAULT_RESUME_SHIFT = "_pd_fault_resume_shift"
+# Likewise: D flips a byte of the recurrent state it received, as a corrupted transfer would.
+FAULT_CORRUPT_STATE = "_pd_fault_corrupt_state"
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
+    """Ids of a run of one group of vLLM's ``KVCacheBlocks.blocks``: what
+    ``KVCacheBlocks.get_block_ids`` (vllm/v1/core/kv_cache_manager.py) does for every block of
+    every group. A list comprehension: faster than map(attrgetter) on 3.11's specialised slot
+    access, also inside the scheduling step (pd_connector.dev.benchmarks.scheduler)."""
+    return [block.block_id for block in blocks]
+
+
+class SchedulerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
+        self.settings = settings
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.profile = profile_from_vllm(vllm_config, kv_cache_config)
+        self.group_ids = tuple(kv_cache_config.transfer_group_ids)
+        self._all_groups_transfer = self.group_ids == tuple(range(len(kv_cache_config.kv_cache_groups)))
+        self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
+        self.recorder = Recorder()
+        self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
+        # D: validated handoffs waiting for admission.
+        self._decisions: dict[str, handoff.Accepted] = {}
+        # P: the offset chosen for each request in flight. Kept here, not in the request's
+        # kv_transfer_params, which the client controls.
+        self._p_offsets: dict[str, int] = {}
+        # Per-step outboxes, drained by build_connector_meta.
+        self._to_send: dict[str, SendLease] = {}
+        self._to_recv: dict[str, RecvTask] = {}
+        self._to_release: list[ReleaseTask] = []
+        # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta):
+        # (request id, decision, D's block tables, tokens to load, prompt length, corrupt flag).
+        self._to_pair: list[tuple[str, handoff.Accepted, Any, int, int, bool]] = []
+        self._last_extend = time.monotonic()
+        # D: prefill engines a handoff was accepted from (one INFO line each).
+        self._peers_seen: set[str] = set()
+        logger.info(
+            "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
+            "replay grid %d",
+            self.engine_id,
+            [layout.kind for layout in self.layouts],
+            handoff.min_recompute_tokens(self.profile),
+            self.profile.replay_grid,
+        )
+
+    @property
+    def stats(self):
+        """Cumulative event counts (see metrics.py for the labels)."""
+        return self.recorder.totals
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return
+        if params.get("do_remote_decode"):
+            self._prepare_prefill(request, params)
+        elif params.get("do_remote_prefill"):
+            if getattr(request, "abort_immediately", False):
+                self._release_rejected(request, params)
+            else:
+                self._validate_handoff(request, params)
+
+    def build_connector_meta(self) -> PDMetadata:
+        if self._to_pair:
+            self._pair_admitted()
+        meta = PDMetadata(
+            to_send=self._to_send,
+            to_recv=self._to_recv,
+            to_release=self._to_release,
+            to_extend=self._due_extensions(),
+        )
+        self._to_send, self._to_recv, self._to_release = {}, {}, []
+        return meta
+
+    def _due_extensions(self) -> list[ExtendTask]:
+        """Every ``leases.extension_interval``, the handoffs still waiting for admission here,
+        per P (P's lease length is not in kv_transfer_params: this instance's stands in)."""
+        now = time.monotonic()
+        if not self._decisions or now - self._last_extend < extension_interval(self.settings.lease_seconds):
+            return []
+        self._last_extend = now
+        return extend_tasks(
+            (d.params.remote_host, d.params.remote_port, d.params.remote_request_id)
+            for d in self._decisions.values()
+        )
+
+    def request_finished(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict):
+            return False, None
+        pending = self._decisions.pop(request.request_id, None)
+        if pending is not None:
+            # D finished (aborted) before admission: P still holds the blocks for us.
+            self._release(pending, "decode request finished before its KV was loaded")
+        if not params.get("do_remote_decode"):
+            return False, None
+        return self._finish_prefill(request, params, block_ids)
+
+    # -- P ---------------------------------------------------------------------------------
+
+    def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
+        if request.request_id in self._p_offsets:
+            return  # already truncated (preempted and re-added)
+        raw = params.get(KEY_MIN_RECOMPUTE)
+        requested = handoff.requested_min_recompute(raw)
+        if requested is None:
+            logger.warning(
+                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
+                request.request_id,
+                KEY_MIN_RECOMPUTE,
+                raw,
+            )
+            self.recorder.count("bad_min_recompute")
+            requested = 0
+        offset = 0
+        if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
+            # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
+            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
+        self._p_offsets[request.request_id] = offset
+        if offset > 0:
+            drop = request.num_prompt_tokens - offset
+            del request.prompt_token_ids[offset:]
+            del request._all_token_ids[offset:]
+            request.num_prompt_tokens = offset
+            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
+        # P's sampled token is thrown away by the router; stop after the prefill.
+        request.max_tokens = 1
+
+    def _finish_prefill(
+        self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        chosen = self._p_offsets.pop(request.request_id, 0)
+        if request.status.name not in _FINISHED_OK:
+            return False, None  # aborted or errored: nothing to hand over
+        offset = handoff.offered_offset(chosen, request.num_computed_tokens)
+        if offset != chosen:
+            logger.warning(
+                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
+                "nothing (the decode instance will prefill locally)",
+                request.request_id,
+                request.num_computed_tokens,
+                chosen,
+            )
+            self.recorder.count("p_offset_not_computed")
+        transfer_ids = tuple(block_ids[g] for g in self.group_ids)
+        source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
+        out = self._returned_params(request, offset, source)
+        if not offset:
+            return False, out
+        self._to_send[request.request_id] = SendLease(
+            deadline=time.monotonic() + self.settings.lease_seconds,
+            offset=offset,
+            block_ids=source,
+        )
+        self.recorder.count("handoff_offered")
+        return True, out
+
+    def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
+        return encode_handoff_params(
+            offset,
+            source,
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port,
+        )
+
+    # -- D ---------------------------------------------------------------------------------
+
+    def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
+        decision = handoff.decide_on_decode(
+            params, request.num_prompt_tokens, self.profile, num_groups=len(self.layouts)
+        )
+        if isinstance(decision, handoff.Refused):
+            self.recorder.count(f"refused:{decision.kind}")
+            logger.warning(
+                "pd_connector: request %s: refusing the handoff (%s): %s",
+                request.request_id,
+                decision.kind,
+                decision.reason,
+            )
+            target = decision.params if decision.params is not None else release_target(params)
+            if target is not None:
+                self._queue_release(target)
+            return
+        if decision.offset == 0:
+            self.recorder.count("handoff_empty")
+            return
+        shift = params.get(FAULT_RESUME_SHIFT) if self._fault_injection else None
+        if isinstance(shift, int) and 0 < decision.offset + shift < request.num_prompt_tokens:
+            logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
+            decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
+        self._decisions[request.request_id] = decision
+
+    def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
+        """vLLM's notice that D's serving layer rejected a request before it reached the engine
+        (a validation error, a client gone during tokenization): ``notify_kv_transfer_request_
+        rejected`` in vllm/v1/engine/async_llm.py submits a pre-aborted stand-in (prompt
+        ``[0]``, ``abort_immediately``, the original kv_transfer_params) so the connector frees
+        what P holds. Release P's lease now (not at expiry), and count it as what it is, not as
+        a refused offset (the 1-token stand-in would otherwise fail validation as
+        ``offset_out_of_range``)."""
+        target = release_target(params)
+        self.recorder.count("rejected_before_engine")
+        logger.info(
+            "pd_connector: request %s was rejected before reaching the engine; %s",
+            request.request_id,
+            f"releasing {target.remote_request_id} on P" if target else "no prefill lease to release",
+        )
+        if target is not None:
+            self._queue_release(target)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        decision = self._decisions.get(request.request_id)
+        if decision is None or decision.offset <= num_computed_tokens:
+            return 0, False
+        return decision.offset - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is None:
+            return
+        if num_external_tokens <= 0:
+            # A local prefix hit (or the scheduler) covered everything P offered.
+            self._release(decision, "the local prefix cache covered the handoff")
+            return
+        # KVCacheBlocks.blocks holds the request's KVCacheBlock list per group (the manager's
+        # own lists); pairing turns into ids only the blocks it pairs (get_block_ids() would
+        # convert every block of every group, Mamba tables included).
+        tables = blocks.blocks
+        if not self._all_groups_transfer:
+            tables = tuple(tables[g] for g in self.group_ids)
+        corrupt = self._fault_injection and request.kv_transfer_params.get(FAULT_CORRUPT_STATE) is True
+        self._to_pair.append(
+            (request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, corrupt)
+        )
+
+    def _pair_admitted(self) -> None:
+        """Pair this step's admitted handoffs and hand them to the worker, in one pass.
+
+        Deferred from ``update_state_after_alloc`` to the end of the same ``Scheduler.schedule``
+        call (vllm/v1/core/sched/scheduler.py calls ``build_connector_meta`` last): vLLM's
+        admission loop runs between our calls, so pairing there ran cold, ~20 µs a request
+        against ~5 µs in one pass (pd_connector.dev.benchmarks.scheduler). Safe because a request
+        waiting for remote KVs keeps the blocks it was just given until the worker reports the
+        load: schedule() preempts only running requests, and request_finished is never called
+        inside schedule().
+        """
+        tails = []
+        for request_id, decision, tables, num_external_tokens, num_prompt_tokens, corrupt in self._to_pair:
+            params = decision.params
+            try:
+                pairs = pairing.pair_block_lists(
+                    self.layouts,
+                    params.remote_block_ids,
+                    tables,
+                    decision.offset,
+                    decision.offset - num_external_tokens,  # D's own (block-aligned) prefix hit
+                    block_ids=_vllm_block_ids,
+                    # HandoffParams.remote_block_ids are protocol.BlockId: msgspec range-checked
+                    # every id when on_new_request decoded them.
+                    remote_checked=True,
+                )
+            except pairing.PairingError as exc:
+                # The load is already admitted; the worker reports it failed and vLLM's
+                # "recompute" policy (set by PDConnector) re-prefills the prompt locally.
+                logger.warning("pd_connector: request %s: cannot pair blocks: %s", request_id, exc)
+                self.recorder.count("refused:pairing")
+                pairs = None
+            self._to_recv[request_id] = RecvTask(
+                remote_engine_id=params.remote_engine_id,
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                remote_request_id=params.remote_request_id,
+                pairs=pairs,
+                num_tokens=num_external_tokens,
+                replay_offset=params.replay_offset,
+                remote_block_ids=params.remote_block_ids,
+                corrupt_state=corrupt,
+            )
+            recompute = num_prompt_tokens - decision.offset
+            tails.append(recompute)
+            # Per request at DEBUG only: formatting an INFO record on every handoff was the
+            # largest cost of this path (pd_connector.dev.benchmarks.scheduler). The figures are in
+            # the vllm:pd_recompute_tokens histogram and vllm:pd_events_total; operators get one
+            # INFO line per prefill engine, on its first handoff.
+            first = params.remote_engine_id not in self._peers_seen
+            if first or logger.isEnabledFor(logging.DEBUG):
+                self._peers_seen.add(params.remote_engine_id)
+                logger.log(
+                    logging.INFO if first else logging.DEBUG,
+                    "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
+                    "recomputing %d token(s)%s",
+                    request_id,
+                    num_external_tokens,
+                    params.remote_engine_id,
+                    decision.offset,
+                    recompute,
+                    " (first handoff from this prefill engine; the next ones are logged at DEBUG)"
+                    if first
+                    else "",
+                )
+        self._to_pair = []
+        self.recorder.count("handoff_accepted", len(tails))
+        self.recorder.observe_all("recompute_tokens", tails)
+
+    def _release(self, decision: handoff.Accepted, why: str) -> None:
+        logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
+        self._queue_release(decision.params)
+
+    def _queue_release(self, params) -> None:
+        self._to_release.append(
+            ReleaseTask(
+                remote_engine_id=params.remote_engine_id,
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                remote_request_id=params.remote_request_id,
+            )
+        )

@@ -1,0 +1,386 @@
+"""Thin NIXL wrapper: register memory, prepare descriptor lists once per peer, READ, poll.
+
+All descriptor arithmetic lives in ``layout.py``; this module only talks to NIXL. One agent per
+worker process. NIXL is not guaranteed thread-safe, so callers serialise access (the worker owns
+the agent; the side-channel thread never touches it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+
+from pd_connector.core import layout
+
+from pd_connector.core import read_plan
+from pd_connector.core.protocol import LayerRegion
+from pd_connector.transport.backends import import_nixl
+
+logger = logging.getLogger("vllm.pd_connector")
+
+DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
+
+
+
+
+_AGENT_CREATION = threading.Lock()
+
+# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
+# its median run), so that NIXL's split by descriptor count (read_plan.cut_long_runs) leaves each
+# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
+# (2-4 µs over cma, `bench transfer --sections perdesc`) would reach ~5% of its copy.
+RUN_PIECES_PER_THREAD = 8
+MIN_RUN_PIECE_BYTES = 256 << 10
+
+
+class _DelayedProgressBind:
+    """Stands in for NIXL's ``nixlBind`` module while ``nixl_agent.__init__`` runs, setting the
+    progress thread's poll delay that the Python API hard-codes to 0 (``agent_config.pthrDelay
+    = 0`` in nixl/_api.py, NIXL 1.5.1). With 0 the thread spins (sched_yield): a whole core per
+    connected agent on the CPU box; 100 µs took it to ~4% and doubled a loopback READ's GB/s
+    there (scripts/bench_nixl_progress.py)."""
+
+    def __init__(self, bind, delay_us: int):
+        self._bind, self._delay_us = bind, delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._bind, name)
+
+    def nixlAgent(self, name, config):  # noqa: N802 - NIXL's name
+        config.pthrDelay = self._delay_us
+        return self._bind.nixlAgent(name, config)
+
+
+def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
+    """``nixl_agent(name, config)``, with the progress thread polling every
+    ``progress_delay_us`` (0: NIXL's own behaviour, no pause)."""
+    api = sys.modules.get(nixl_agent.__module__)
+    if progress_delay_us <= 0 or api is None or not hasattr(api, "nixlBind"):
+        if progress_delay_us > 0:
+            logger.warning("pd_connector: this NIXL has no nixlBind to set the progress delay on; using NIXL's")
+        return nixl_agent(name, config)
+    with _AGENT_CREATION:  # the swap is module-global: one agent creation at a time
+        bind = api.nixlBind
+        api.nixlBind = _DelayedProgressBind(bind, progress_delay_us)
+        try:
+            return nixl_agent(name, config)
+        finally:
+            api.nixlBind = bind
+
+
+def backend_params(backend: str, num_threads: int, ucx_error_handling: str = "peer") -> dict[str, str]:
+    """Init parameters for one NIXL backend with ``num_threads`` worker threads (0: none)
+    and, for UCX, the endpoints' error-handling mode (NIXL's own default, ``peer``, is left
+    implicit).
+
+    UCX with threads runs ``nixlUcxThreadPoolEngine`` (NIXL plugins/ucx/ucx_backend.cpp): a
+    transfer of at least ``split_batch_size`` descriptors goes out in chunks of
+    ``max(descriptors / threads, split_batch_size)``, each posted and progressed by a worker
+    thread with its own UCX worker; a smaller one is posted by the caller, which over DRAM
+    copies inside the post (cma). With NIXL's default size, READs of up to ~1k descriptors
+    stayed on D's engine thread and a 2-thread pool copied a 2k-descriptor READ on one thread.
+    1 splits every READ evenly over the threads: the post returns in well under a millisecond
+    and the copies run side by side (scattered 128 KiB pages on the 2-core box: 6-7 GB/s with 2
+    threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md, "Worker
+    threads")."""
+    params: dict[str, str] = {}
+    if backend == "UCX":
+        if num_threads > 0:
+            params.update(num_threads=str(num_threads), split_batch_size="1")
+        if ucx_error_handling != "peer":
+            params["ucx_error_handling_mode"] = ucx_error_handling
+    elif backend in ("LIBFABRIC", "OBJ") and num_threads > 0:  # as nixl_agent.__init__ passes it
+        params["num_threads"] = str(num_threads)
+    return params
+
+
+class _Peer:
+    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
+
+    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist):
+        self.agent_name = agent_name
+        self.dlist = dlist
+        self.rows = rows
+        self.local_rows = local_rows
+        self.local_dlist = local_dlist
+
+
+class NixlTransport:
+    """One NIXL agent with its registered KV pages and the peers it reads from."""
+
+    def __init__(
+        self,
+        mem_type: str = "DRAM",
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+        name: str | None = None,
+        capture_telemetry: bool = False,
+        progress_thread: bool = True,
+        progress_delay_us: int = 0,
+        ucx_error_handling: str = "peer",
+    ):
+        nixl_agent, nixl_agent_config = import_nixl()
+        self.name = name or f"pd-{uuid.uuid4().hex[:12]}"
+        self.mem_type = mem_type
+        # UCX's worker threads post and copy; without them a DRAM READ copies inside the post.
+        threaded = num_threads > 0 and "UCX" in backends
+        self.copies_in_post = mem_type == "DRAM" and not threaded
+        # Worker threads a READ is spread over (read_plan.cut_long_runs, read_plan.thread_slices).
+        self._threads = num_threads if threaded else 1
+        # Backends are created here, not by nixl_agent, which passes UCX nothing but num_threads.
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=[], capture_telemetry=capture_telemetry
+        )
+        try:
+            self._agent = create_agent(nixl_agent, self.name, config, progress_delay_us)
+            for backend in backends:
+                self._agent.create_backend(backend, backend_params(backend, num_threads, ucx_error_handling))
+        except Exception as exc:
+            raise RuntimeError(
+                f"could not create a NIXL agent with backends {list(backends)}: {exc}. "
+                "Check that the backend plugin is installed (NIXL_PLUGIN_DIR) and, for UCX, "
+                "that UCX_TLS (if set) keeps 'tcp' for active messages."
+            ) from exc
+        self._regions: tuple[LayerRegion, ...] = ()
+        self._device_id = 0
+        # Local prepared lists, one per packing (the set of groups moved as packed spans); a
+        # peer whose layout packs fewer groups gets its own, prepared once.
+        self._local_lists: dict[tuple, tuple[layout.DescriptorRows, object]] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._reg_descs = None
+
+    # -- local memory ---------------------------------------------------------------------
+
+    def register(
+        self,
+        allocations: Sequence[tuple[int, int, int]],
+        regions: Sequence[LayerRegion],
+        device_id: int = 0,
+    ) -> None:
+        """Register whole allocations ``(addr, nbytes, device)`` once, then prepare the local
+        descriptor list (packed spans wherever this layout allows)."""
+        reg = [(addr, size, dev, "") for addr, size, dev in allocations]
+        self._reg_descs = self._agent.register_memory(reg, self.mem_type)
+        self._regions = tuple(regions)
+        self._device_id = device_id
+        self._local_list(frozenset(layout.packed_layer_order(regions)), self._regions)
+
+    def _local_list(self, packed: frozenset[int], regions: tuple[LayerRegion, ...]):
+        # One prepared local list per (packing, page map): peers with the same speculative
+        # token count share it; a peer with another count gets its trimmed state regions.
+        key = (packed, regions)
+        if key not in self._local_lists:
+            rows = layout.descriptor_rows(regions, packed)
+            dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows.strided(self._device_id), self.mem_type)
+            self._local_lists[key] = (rows, dlist)
+        return self._local_lists[key]
+
+    @property
+    def regions(self) -> tuple[LayerRegion, ...]:
+        return self._regions
+
+    @property
+    def agent_metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def has_peer(self, key: str) -> bool:
+        return key in self._peers
+
+    def add_peer(
+        self,
+        key: str,
+        agent_metadata: bytes,
+        regions: Sequence[LayerRegion],
+        device_id: int = 0,
+        agent_name: str = "",
+    ) -> None:
+        """Load a remote agent and prepare its descriptor list (once per peer)."""
+        local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        # A kv_both instance may hand a request to itself (a router that lists one instance in
+        # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
+        # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
+        if agent_name != self.name:
+            loaded = self._agent.add_remote_agent(agent_metadata)
+            agent_name = loaded.decode() if isinstance(loaded, bytes) else loaded
+        packed = layout.common_packing(local_regions, regions)
+        local_rows, local_dlist = self._local_list(packed, local_regions)
+        rows = layout.descriptor_rows(regions, packed)
+        dlist = self._agent.prep_xfer_dlist(agent_name, rows.strided(device_id), self.mem_type)
+        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist)
+
+    def connect(self, key: str) -> None:
+        """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
+        first READ does not pay for it; best effort (the first READ connects otherwise)."""
+        peer = self._peers[key]
+        if peer.agent_name == self.name:
+            return
+        try:
+            self._agent.make_connection(peer.agent_name)
+        except Exception as exc:  # pragma: no cover - depends on the backend
+            logger.info("pd_connector: pre-connecting to NIXL peer %s failed: %s", key, exc)
+
+    def remove_peer(self, key: str) -> None:
+        peer = self._peers.pop(key, None)
+        if peer is None:
+            return
+        try:
+            self._agent.release_dlist_handle(peer.dlist)
+            if peer.agent_name != self.name:
+                self._agent.remove_remote_agent(peer.agent_name)
+        except Exception as exc:  # pragma: no cover - best effort during teardown
+            logger.warning("pd_connector: removing NIXL peer %s failed: %s", key, exc)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def plan(
+        self, key: str, pairs: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Descriptor indices (local, remote) for per-group (remote block, local block) pairs;
+        with several worker threads, long runs cut so that each thread gets a share
+        (``read_plan.cut_long_runs``)."""
+        peer = self._peers[key]
+        local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
+        return read_plan.cut_long_runs(
+            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, RUN_PIECES_PER_THREAD,
+            MIN_RUN_PIECE_BYTES,
+        )
+
+    def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
+        """``ChunkedRead`` bounds for a planned READ: where the post copies (DRAM without worker
+        threads), slices of at most ``chunk_bytes``; through worker threads one slice, or two
+        when NIXL would otherwise queue a chunk behind a thread's copy (``read_plan.thread_slices``)."""
+        peer = self._peers[key]
+        if self.copies_in_post:
+            return read_plan.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
+        return read_plan.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
+
+    def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
+        """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
+        peer = self._peers[key]
+        return layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows)
+
+    def merged_ranges(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray):
+        """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
+        peer = self._peers[key]
+        return layout.merged_ranges(local_idx, remote_idx, peer.local_rows, peer.rows)
+
+    def read(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes):
+        """Post one READ (remote -> local) with a completion notification to the remote
+        (none when ``notif`` is empty)."""
+        peer = self._peers[key]
+        handle = self._agent.make_prepped_xfer(
+            "READ", peer.local_dlist, local_idx, peer.dlist, remote_idx, notif_msg=notif
+        )
+        state = self._agent.transfer(handle)
+        if state == FAILED:
+            self.release(handle)
+            raise RuntimeError("NIXL refused to post the READ")
+        return handle
+
+    def merged_descriptors(self, handle) -> int:
+        """NIXL's own count of descriptors a posted READ moved (``capture_telemetry`` agents)."""
+        return int(self._agent.get_xfer_telemetry(handle).descCount)
+
+    def state(self, handle) -> str:
+        """DONE, PROC or ERR; an exception from NIXL counts as ERR."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            logger.warning("pd_connector: NIXL transfer state check failed: %s", exc)
+            return FAILED
+
+    def release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # pragma: no cover
+            logger.warning("pd_connector: releasing a NIXL handle failed: %s", exc)
+
+    def notify(self, key: str, message: bytes) -> None:
+        self._agent.send_notif(self._peers[key].agent_name, message)
+
+    def take_notifications(self) -> list[bytes]:
+        """Notifications received since the last call, from every peer."""
+        notifs = self._agent.get_new_notifs()
+        return [m for msgs in notifs.values() for m in msgs]
+
+    def close(self) -> None:
+        for key in list(self._peers):
+            self.remove_peer(key)
+        try:
+            for _, dlist in self._local_lists.values():
+                self._agent.release_dlist_handle(dlist)
+            if self._reg_descs is not None:
+                self._agent.deregister_memory(self._reg_descs)
+        except Exception as exc:  # pragma: no cover
+            logger.warning("pd_connector: NIXL teardown failed: %s", exc)
+        self._local_lists = {}
+        self._reg_descs = None
+
+
+class ChunkedRead:
+    """One request's READ, posted as consecutive slices of the planned descriptors, at most one
+    slice per ``advance()`` call, the completion notification on the last slice only (P must
+    not free its blocks before every slice landed).
+
+    Why: over DRAM without UCX worker threads, UCX copies inside ``transfer()`` (shared-memory
+    cma), so one big READ holds the calling thread -- D's engine thread -- for the whole copy
+    (~100 ms for 256 MiB on a small box). A slice bounds that. With worker threads
+    (``nixl_num_threads``) or over VRAM the post is asynchronous and the plan is one slice
+    (``NixlTransport.copies_in_post``). NIXL 1.5.1 agents are not thread-safe in their default
+    sync mode, and its RW mode serialises other calls behind a running ``transfer()``
+    (measured), so posting from a helper thread of ours would not help: every NIXL call stays
+    on the engine thread, and NIXL's own worker threads do the copying.
+    """
+
+    def __init__(self, transport: NixlTransport, key: str, local_idx, remote_idx, notif: bytes, bounds):
+        self.transport, self.key, self.notif = transport, key, notif
+        self.local_idx, self.remote_idx = local_idx, remote_idx
+        self.bounds = list(bounds) or [(0, int(local_idx.size))]
+        self.next = 0  # index of the next slice to post
+        self.handle = None
+        self.error = ""
+        self.error_kind = ""  # "post" (NIXL refused a slice) or "nixl" (a slice failed)
+
+    @property
+    def slices(self) -> int:
+        return len(self.bounds)
+
+    def advance(self, may_post: bool = True) -> str:
+        """Poll the slice in flight; post the next one (when ``may_post``) once it is DONE.
+        Returns DONE when every slice is done, FAILED (see ``error``) or PENDING."""
+        if self.handle is not None:
+            state = self.transport.state(self.handle)
+            if state not in (DONE, FAILED):
+                return PENDING
+            self.transport.release(self.handle)
+            self.handle = None
+            if state == FAILED:
+                self.error, self.error_kind = "NIXL reported the READ failed", "nixl"
+                return FAILED
+        if self.next == len(self.bounds):
+            return DONE
+        if not may_post:
+            return PENDING
+        a, b = self.bounds[self.next]
+        last = self.next == len(self.bounds) - 1
+        try:
+            self.handle = self.transport.read(
+                self.key, self.local_idx[a:b], self.remote_idx[a:b], self.notif if last else b""
+            )
+        except Exception as exc:
+            self.error, self.error_kind = f"posting the READ failed: {exc}", "post"
+            return FAILED
+        self.next += 1
+        return PENDING
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.transport.release(self.handle)
+            self.handle = None
