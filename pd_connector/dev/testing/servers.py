@@ -41,10 +41,8 @@ __all__ = ["ServerError", "VllmServer", "source_checkout_env", "start_many"]
 def source_checkout_env() -> dict[str, str]:
     """``PYTHONPATH`` for a server process that must import this checkout's ``pd_connector``
     (``kv_connector_module_path``) without an install; harmless when it is installed."""
-    src = str(Path(__file__).resolve().parents[2])
+    src = str(Path(__file__).resolve().parents[3])
     return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-
-
 
 
 class ServerError(RuntimeError):
