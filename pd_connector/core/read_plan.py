@@ -5,6 +5,8 @@ merge rule these build on, live in ``layout.py``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from pd_connector.core.layout import DescriptorRows, run_starts
@@ -101,3 +103,27 @@ def thread_slices(
         return [(0, n)]
     cut = int(starts[runs - extra])
     return [(0, cut), (cut, n)]
+
+
+# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
+# its median run), so that NIXL's split by descriptor count (``cut_long_runs``) leaves each
+# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
+# would become a noticeable share of its copy (docs/benchmarks.md, per-descriptor cost).
+RUN_PIECES_PER_THREAD = 8
+MIN_RUN_PIECE_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """One READ from one peer, planned once: descriptor indices on both sides, the slices it
+    is posted in (``bounds``: index ranges), the runs NIXL moves after its merge and the bytes."""
+
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    bounds: list[tuple[int, int]]
+    runs: int
+    nbytes: int
+
+    @property
+    def empty(self) -> bool:
+        return self.local_idx.size == 0

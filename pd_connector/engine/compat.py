@@ -276,3 +276,14 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         device=str(vllm_config.kv_transfer_config.kv_buffer_device),
         speculative=speculative,
     )
+
+
+def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
+    """This worker's tensor-parallel rank and size (vLLM's TP group exists by the time the
+    worker-side connector is built: Worker.init_device runs first)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size

@@ -30,12 +30,6 @@ DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
 
 _AGENT_CREATION = threading.Lock()
 
-# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
-# its median run), so that NIXL's split by descriptor count (read_plan.cut_long_runs) leaves each
-# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
-# (2-4 µs over cma, `bench transfer --sections perdesc`) would reach ~5% of its copy.
-RUN_PIECES_PER_THREAD = 8
-MIN_RUN_PIECE_BYTES = 256 << 10
 
 
 class _DelayedProgressBind:
@@ -200,9 +194,15 @@ class NixlTransport:
         regions: Sequence[LayerRegion],
         device_id: int = 0,
         agent_name: str = "",
+        local_regions: Sequence[LayerRegion] | None = None,
     ) -> None:
-        """Load a remote agent and prepare its descriptor list (once per peer)."""
-        local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        """Load a remote agent and prepare its descriptor list (once per peer). With
+        ``local_regions`` the two page maps are already matched one to one (a TP shard plan,
+        ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``)."""
+        if local_regions is None:
+            local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        else:
+            local_regions, regions = tuple(local_regions), tuple(regions)
         # A kv_both instance may hand a request to itself (a router that lists one instance in
         # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
         # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
@@ -248,8 +248,8 @@ class NixlTransport:
         peer = self._peers[key]
         local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
         return read_plan.cut_long_runs(
-            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, RUN_PIECES_PER_THREAD,
-            MIN_RUN_PIECE_BYTES,
+            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, read_plan.RUN_PIECES_PER_THREAD,
+            read_plan.MIN_RUN_PIECE_BYTES,
         )
 
     def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
@@ -260,6 +260,19 @@ class NixlTransport:
         if self.copies_in_post:
             return read_plan.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
         return read_plan.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
+
+    def read_plan(self, key: str, pairs: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> read_plan.ReadPlan:
+        """Everything about one READ from ``key`` for per-group (remote, local) block pairs,
+        computed once: indices, slices, runs, bytes."""
+        local_idx, remote_idx = self.plan(key, pairs)
+        peer = self._peers[key]
+        return read_plan.ReadPlan(
+            local_idx,
+            remote_idx,
+            self.read_slices(key, local_idx, remote_idx, chunk_bytes) if local_idx.size else [],
+            layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows),
+            int(peer.local_rows.nbytes_of(local_idx).sum()),
+        )
 
     def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
         """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
@@ -339,10 +352,10 @@ class ChunkedRead:
     on the engine thread, and NIXL's own worker threads do the copying.
     """
 
-    def __init__(self, transport: NixlTransport, key: str, local_idx, remote_idx, notif: bytes, bounds):
+    def __init__(self, transport: NixlTransport, key: str, plan: read_plan.ReadPlan, notif: bytes):
         self.transport, self.key, self.notif = transport, key, notif
-        self.local_idx, self.remote_idx = local_idx, remote_idx
-        self.bounds = list(bounds) or [(0, int(local_idx.size))]
+        self.local_idx, self.remote_idx = plan.local_idx, plan.remote_idx
+        self.bounds = list(plan.bounds) or [(0, int(plan.local_idx.size))]
         self.next = 0  # index of the next slice to post
         self.handle = None
         self.error = ""

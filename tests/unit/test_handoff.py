@@ -432,7 +432,7 @@ def test_missing_offset_is_refused_as_missing_offset():
     assert d.params is None
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, -1, PROTOCOL_VERSION + 1, "1", True, False, 1.5])
+@pytest.mark.parametrize("version", [None, 0, 1, -1, PROTOCOL_VERSION + 1, "2", True, False, 1.5])
 def test_version_mismatch_is_refused(version):
     raw = valid_params()
     if version is None:
@@ -445,7 +445,7 @@ def test_version_mismatch_is_refused(version):
 
 
 def test_bool_version_true_is_a_mismatch_not_version_one():
-    assert True == PROTOCOL_VERSION  # noqa: E712 - the trap this test pins
+    # True == 1 in Python: a bool must never pass as an integer version (protocol 1's trap).
     refused(valid_params(**{KEY_VERSION: True}), kind="version_mismatch")
 
 

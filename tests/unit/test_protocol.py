@@ -33,7 +33,7 @@ from pd_connector.core.protocol import (
     ProtocolError,
     Reject,
     Release,
-    ReleaseTarget,
+    PrefillRef,
     Welcome,
     compat_differences,
     decode_handoff_params,
@@ -473,7 +473,7 @@ def test_decode_handoff_params_ignores_unknown_keys_and_defaults():
         ({"remote_block_ids": [[2**31]]}, "malformed"),
         ({"remote_block_ids": [[2**63]]}, "malformed"),
         ({"remote_block_ids": [[2**70]]}, "malformed"),
-        ({"pd_protocol_version": 2}, "version_mismatch"),
+        ({"pd_protocol_version": 1}, "version_mismatch"),
         ({"pd_protocol_version": True}, "version_mismatch"),
         ({"replay_offset": "8"}, "malformed"),
         ({"do_remote_prefill": 1}, "malformed"),
@@ -545,7 +545,7 @@ TARGET = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 5660, "rem
 )
 def test_release_target_from_broken_params(overrides):
     raw = _params(**overrides)
-    assert release_target(raw) == ReleaseTarget(**TARGET)
+    assert release_target(raw) == ref_of(TARGET)
 
 
 def test_release_target_without_version():
@@ -553,7 +553,13 @@ def test_release_target_without_version():
     from a pd_connector peer, which can be told to release."""
     raw = _params()
     del raw["pd_protocol_version"]
-    assert release_target(raw) == ReleaseTarget(**TARGET)
+    assert release_target(raw) == ref_of(TARGET)
+
+
+def ref_of(fields: dict) -> PrefillRef:
+    return PrefillRef(
+        fields["remote_engine_id"], fields["remote_host"], fields["remote_port"], fields["remote_request_id"]
+    )
 
 
 def nixl_connector_params() -> dict:
@@ -594,7 +600,7 @@ def test_pd_connector_envelope_is_not_a_nixl_handshake_message():
 
 @pytest.mark.parametrize("port", [1, 65535])
 def test_release_target_port_bounds_accepted(port):
-    assert release_target(_params(remote_port=port)).remote_port == port
+    assert release_target(_params(remote_port=port)).port == port
 
 
 @pytest.mark.parametrize(
@@ -640,7 +646,7 @@ def test_release_target_deeply_nested_field_is_none(key):
     assert release_target(_params(**{key: deep})) is None
 
 
-def expected_release_target(raw: dict) -> ReleaseTarget | None:
+def expected_release_target(raw: dict) -> PrefillRef | None:
     """Oracle: the four fields present with their exact types, a TCP port and a host."""
     values = {k: raw.get(k) for k in TARGET}
     port = values["remote_port"]
@@ -648,7 +654,7 @@ def expected_release_target(raw: dict) -> ReleaseTarget | None:
         return None
     if type(port) is not int or not 0 < port < 65536 or not values["remote_host"]:
         return None
-    return ReleaseTarget(**values)
+    return ref_of(values)
 
 
 field_junk = st.one_of(
@@ -688,9 +694,7 @@ def test_release_target_matches_oracle_and_decoded_params(raw):
         params = decode_handoff_params(raw)
     except ProtocolError:
         return
-    assert target == ReleaseTarget(
-        params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id
-    )
+    assert target == params.prefill
 
 
 def test_decode_handoff_params_block_id_bounds():
