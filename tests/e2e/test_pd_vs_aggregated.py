@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.engine.scheduler import FAULT_CORRUPT_STATE, FAULT_RESUME_SHIFT
+from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT
 from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +87,7 @@ def test_desynced_offset_is_caught_by_the_oracle(stack):
     for n in lengths:
         prompt = random_prompt(n, seed=3)
         ref = stack.reference(prompt, MAX_TOKENS)
-        params = {**stack.prefill_only(prompt), FAULT_RESUME_SHIFT: -1}
+        params = {**stack.prefill_only(prompt), RESUME_SHIFT: -1}
         caught += not check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} desyncs detected"
 
@@ -100,7 +100,7 @@ def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
     prompt = random_prompt(90, seed=10)
     ref = stack.reference(prompt, MAX_TOKENS)
     before = stack.decode.log_text().count("differs from P's digest")
-    params = {**stack.prefill_only(prompt), FAULT_CORRUPT_STATE: True}
+    params = {**stack.prefill_only(prompt), CORRUPT_STATE: True}
     assert check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert stack.decode.log_text().count("differs from P's digest") == before + 1
 

@@ -164,11 +164,11 @@ def caught_desyncs(
     """Negative control: per prompt, whether the bf16 oracle catches D resuming one token early
     on the state P computed for its offset (what a P/D pair backing off differently does).
     ``reference(prompt)`` is D's aggregated output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
-    from pd_connector.engine.scheduler import FAULT_RESUME_SHIFT
+    from pd_connector.engine.faults import RESUME_SHIFT
 
     caught = []
     for prompt in prompts:
-        params = {**p.prefill(prompt), FAULT_RESUME_SHIFT: -1}
+        params = {**p.prefill(prompt), RESUME_SHIFT: -1}
         caught.append(not check_bf16(reference(prompt), d.decode(prompt, params, max_tokens)).ok)
     return caught
 
