@@ -278,8 +278,13 @@ class EngineCompat(msgspec.Struct, frozen=True):
 def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
     """Human-readable differences, one per setting (empty list = compatible)."""
     diffs = []
+    # Ranks of different TP sizes hold pages of different sizes; the shard plan checks each
+    # unit's size instead (``shards.plan_region``).
+    same_tp = mine.tensor_parallel_size == theirs.tensor_parallel_size
     for field in EngineCompat.__struct_fields__:
         a, b = getattr(mine, field), getattr(theirs, field)
+        if field == "tensor_parallel_size":
+            continue
         if field == "groups":
             if len(a) != len(b):
                 diffs.append(f"number of KV-cache groups: local {len(a)}, remote {len(b)}")
@@ -287,7 +292,7 @@ def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
             for i, (ga, gb) in enumerate(zip(a, b)):
                 for sub in GroupDesc.__struct_fields__:
                     va, vb = getattr(ga, sub), getattr(gb, sub)
-                    if va != vb:
+                    if va != vb and (same_tp or sub != "page_bytes"):
                         diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}")
         elif a != b:
             diffs.append(f"{field}: local {a!r}, remote {b!r}")

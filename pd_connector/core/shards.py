@@ -13,6 +13,7 @@ Equal TP sizes never come here: D rank r reads P rank r's pages whole (``layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -102,6 +103,50 @@ def head_segments(axis: str, total: int, tp: int, rank: int, head_bytes: int) ->
     """A state sharded by heads, outermost (Mamba2 SSM (H, P, S), GDN recurrent (Hv, dv, dk))."""
     first, count = sharded(total, tp, rank, f"{axis}s")
     return (Segment(axis, first, count, 0, head_bytes),)
+
+
+MAMBA2, GDN = "mamba2", "gdn"
+
+
+def recurrent_segments(
+    kind: str,
+    state: int,
+    conv_shape: Sequence[int],
+    state_shape: Sequence[int],
+    elem_bytes: Sequence[int],
+    dim_first: bool,
+    scratch_rows: int,
+    tp: int,
+    rank: int,
+    groups_replicated: bool = False,
+) -> tuple[Segment, ...]:
+    """Segments of state ``state`` (0: conv, 1: SSM/recurrent) of a Mamba2 or GDN layer, from
+    this rank's shapes (vLLM's ``MambaSpec.shapes``, per rank).
+
+    Conv channels per rank: Mamba2 ``[x | B | C]`` with x = heads x head_dim and B, C one share of
+    the groups each (or all of them when ``groups_replicated``); GDN ``[Q | K | V]`` with
+    V = value heads x head_v_dim and Q, K equal. The SSM/recurrent state is split by heads."""
+    heads = state_shape[0]
+    if state == 1:
+        head_bytes = math.prod(state_shape[1:]) * elem_bytes[1]
+        return head_segments("ssm_head" if kind == MAMBA2 else "value_head", heads * tp, tp, rank, head_bytes)
+    if state != 0:
+        raise ShardError(f"{kind} layers have two states, not {state + 1}")
+    channels, rows = (conv_shape[0], conv_shape[1]) if dim_first else (conv_shape[1], conv_shape[0])
+    if not dim_first:
+        rows -= scratch_rows  # the state is in the leading rows; scratch rows are never copied
+    inner = heads * state_shape[1]
+    if (channels - inner) % 2 or channels <= inner:
+        raise ShardError(f"{kind} conv state of {channels} channels does not fit {inner} head channels")
+    side = (channels - inner) // 2
+    if kind == MAMBA2:
+        first = 0 if groups_replicated else rank * side
+        parts = [("x", rank * inner, inner), ("B", first, side), ("C", first, side)]
+    elif kind == GDN:
+        parts = [("q", rank * side, side), ("k", rank * side, side), ("v", rank * inner, inner)]
+    else:
+        raise ShardError(f"no TP layout known for {kind} layers")
+    return conv_segments(parts, rows, dim_first, elem_bytes[0])
 
 
 # --- pairing a D rank's regions with P ranks' -------------------------------------------------

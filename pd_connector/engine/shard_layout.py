@@ -15,7 +15,6 @@ Anything else gets no segments, so only a peer of the same TP size can read it.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,31 +77,19 @@ def _segments(vllm_config, kv_cache_config, spec, layer, state, region, rank, tp
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
-    conv_shape, state_shape = spec.shapes
-    elem = [torch.empty((), dtype=d).element_size() for d in spec.dtypes]
-    heads = state_shape[0]
-    head_bytes = math.prod(state_shape[1:]) * elem[1]
-    if state == "1":
-        axis = "ssm_head" if mamba_type == "MAMBA2" else "value_head"
-        return shards.head_segments(axis, heads * tp, tp, rank, head_bytes)
-    if state != "0":
-        return ()
-    dim_first = str(get_conv_state_layout()).upper().endswith("DS")
-    channels, rows = (conv_shape[0], conv_shape[1]) if dim_first else (conv_shape[1], conv_shape[0])
-    scratch = region.scratch_rows
-    if not dim_first:
-        rows -= scratch  # the state is in the leading rows; scratch rows are never copied
-    if mamba_type == "MAMBA2":
-        x = heads * state_shape[1]  # this rank's heads x head_dim
-        groups = (channels - x) // 2
-        replicated = _mamba2_groups_replicated(vllm_config, layer, tp)
-        first = 0 if replicated else rank * groups
-        parts = [("x", rank * x, x), ("B", first, groups), ("C", first, groups)]
-    else:
-        value = heads * state_shape[1]  # value heads x head_v_dim
-        key = (channels - value) // 2
-        parts = [("q", rank * key, key), ("k", rank * key, key), ("v", rank * value, value)]
-    return shards.conv_segments(parts, rows, dim_first, elem[0])
+    kind_of = {"MAMBA2": shards.MAMBA2, "GDN_ATTN": shards.GDN}[mamba_type]
+    return shards.recurrent_segments(
+        kind_of,
+        int(state),
+        spec.shapes[0],
+        spec.shapes[1],
+        [torch.empty((), dtype=d).element_size() for d in spec.dtypes],
+        dim_first=str(get_conv_state_layout()).upper().endswith("DS"),
+        scratch_rows=region.scratch_rows,
+        tp=tp,
+        rank=rank,
+        groups_replicated=kind_of == shards.MAMBA2 and _mamba2_groups_replicated(vllm_config, layer, tp),
+    )
 
 
 def _attention(vllm_config, kv_cache_config, spec, region, rank, tp) -> tuple[Segment, ...]:

@@ -94,14 +94,16 @@ def backend_params(backend: str, num_threads: int, ucx_error_handling: str = "pe
 
 
 class _Peer:
-    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
+    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist", "shard")
 
-    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist):
+    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist, shard: bool):
         self.agent_name = agent_name
         self.dlist = dlist
         self.rows = rows
         self.local_rows = local_rows
         self.local_dlist = local_dlist
+        # A TP shard plan: this peer may hold nothing of some groups (others send those).
+        self.shard = shard
 
 
 class NixlTransport:
@@ -199,6 +201,7 @@ class NixlTransport:
         """Load a remote agent and prepare its descriptor list (once per peer). With
         ``local_regions`` the two page maps are already matched one to one (a TP shard plan,
         ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``)."""
+        local_regions_given = local_regions is not None
         if local_regions is None:
             local_regions, regions = layout.reconcile_regions(self._regions, regions)
         else:
@@ -213,7 +216,7 @@ class NixlTransport:
         local_rows, local_dlist = self._local_list(packed, local_regions)
         rows = layout.descriptor_rows(regions, packed)
         dlist = self._agent.prep_xfer_dlist(agent_name, rows.strided(device_id), self.mem_type)
-        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist)
+        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist, shard=local_regions_given)
 
     def connect(self, key: str) -> None:
         """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
@@ -246,6 +249,8 @@ class NixlTransport:
         with several worker threads, long runs cut so that each thread gets a share
         (``read_plan.cut_long_runs``)."""
         peer = self._peers[key]
+        if peer.shard:
+            pairs = [g if i in peer.local_rows.rows_of_group else () for i, g in enumerate(pairs)]
         local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
         return read_plan.cut_long_runs(
             local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, read_plan.RUN_PIECES_PER_THREAD,

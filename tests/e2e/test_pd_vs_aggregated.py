@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
 from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT
 from pd_connector.dev.testing.oracle import compare
@@ -46,7 +47,7 @@ def test_pd_matches_aggregated_at_block_boundaries(stack):
         params, got = stack.handoff(prompt, MAX_TOKENS)
         r = params["replay_offset"]
         assert r == max(0, n - 1), f"n={n}: P chose {r}"
-        assert params["pd_protocol_version"] == 1 and params["remote_num_tokens"] == r
+        assert params["pd_protocol_version"] == PROTOCOL_VERSION and params["remote_num_tokens"] == r
         verdict = check(ref, got)
         if not verdict.ok:
             failures.append(f"n={n} R={r}: {verdict.describe()}")

@@ -73,3 +73,16 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _handed_out.add(port)
                 return port
     raise RuntimeError("could not find a free port")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive free ports (a TP engine's side channels listen on
+    ``side_channel_port + rank``)."""
+    for _ in range(1000):
+        base = free_port(host)
+        rest = range(base + 1, base + count)
+        with _lock:
+            if all(p not in _handed_out and _bindable(host, p) for p in rest):
+                _handed_out.update(rest)
+                return base
+    raise RuntimeError(f"could not find {count} consecutive free ports")
