@@ -1,7 +1,7 @@
 """How D posts one planned READ (pure, numpy): slices by size where the post itself copies
 (``chunk_bounds``), and for NIXL's UCX worker threads the order and posts that give every thread
 an equal share (``cut_long_runs``, ``thread_slices``). The descriptor plan itself, and NIXL's
-merge rule these build on, live in ``layout.py``."""
+merge rule these build on, live in ``core/layout.py``."""
 
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def thread_slices(
     Why: NIXL 1.5.1 cuts a READ into chunks of ``n // threads`` runs, so such an n makes one
     chunk more than there are threads; it lands in the first thread's queue behind that
     thread's whole first chunk, and ``transfer()`` returns only when every chunk is posted
-    (nixlUcxThreadPoolEngine::sendXferRange). Measured with 2 threads: 111 runs of 2 MiB held
-    the posting thread 27 ms, 110 or 112 runs 0.3 ms. ``cut_long_runs`` avoids it wherever a
-    run can be cut; this covers READs of single-descriptor runs."""
+    (nixlUcxThreadPoolEngine::sendXferRange), a whole copy's wait on the posting thread
+    (docs/benchmarks.md, "Transfer path"). ``cut_long_runs`` avoids it wherever a run can be
+    cut; this covers READs of single-descriptor runs."""
     n = int(local_idx.size)
     if n == 0:
         return []

@@ -17,7 +17,7 @@ from pd_connector.dev.testing.oracle import compare
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
-# float32 on CPU: P/D vs aggregated logprobs differ by ~5e-7 (cpu-recipes 10.5); a desync moves
+# float32 on CPU: P/D vs aggregated logprobs differ by ~5e-7 (docs/testing.md); a desync moves
 # them by 1e-2 or more. A differing token is a tie only below this reference margin.
 TIE_MARGIN = 1e-5
 LOGPROB_TOL = 1e-4

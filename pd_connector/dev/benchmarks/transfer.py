@@ -24,7 +24,7 @@ Sections (``--sections``):
   perdesc DRAM: what NIXL + UCX add per descriptor above the kernel's own copy (4096
           descriptors of 64 B, 4 KiB, 64 KiB, one READ, vs process_vm_readv of the same ranges).
 
-  pd-connector bench transfer --quick            (or: python scripts/bench_transfer.py --quick)
+  pd-connector bench transfer --quick
   pd-connector bench transfer --device cuda      (GPU machines: registers VRAM)
 """
 

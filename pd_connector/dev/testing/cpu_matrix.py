@@ -1,6 +1,6 @@
 """The CPU test matrix: which tiny models run P/D on vLLM CPU 0.32.0, with which flags.
 
-Facts behind the flags (../shared/reference/cpu-recipes.md, sections 3, 8, 10):
+Facts behind the flags (docs/testing.md, "What vLLM CPU can and cannot run"):
 - float32 everywhere: bf16 flips near-tied tokens of random models across the P/D split.
 - Mamba2 hybrids need ``--no-enable-prefix-caching`` (the CPU SSD kernel crashes in align mode).
 - ``--block-size 32``: CPU attention wants multiples of 32; small blocks put block boundaries

@@ -14,9 +14,8 @@ def cpu_binds(count: "int | list[int]", first_core: int = 0) -> list[tuple[str, 
 
     Never two on one core: a vLLM CPU worker spins on ``sched_yield`` between steps (for a second
     after each, and without pause while a connector keeps the engine stepping), and on this
-    kernel a spinning task pinned to a core starved another instance pinned to the same core
-    for minutes (measured: a D worker runnable for 135 s, run for 19 s; its first handshake
-    timed out). Up to the core count: one core each, from ``first_core``. More: unpinned, one
+    kernel a spinning task pinned to a core starves another instance pinned to the same core
+    for minutes (docs/operations.md, "CPU hosts"). Up to the core count: one core each, from ``first_core``. More: unpinned, one
     OpenMP thread each, so the kernel can move a waiting instance to the other core."""
     sizes = [1] * count if isinstance(count, int) else list(count)
     cores = os.cpu_count() or 1

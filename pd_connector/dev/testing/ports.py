@@ -4,10 +4,10 @@ A port is chosen, then bound later by another process (a vLLM server binds its s
 only once its KV cache is allocated, 30 s or more after start). A port picked the usual way,
 ``bind(0)`` then close, lies in the kernel's ephemeral range (``ip_local_port_range``), where
 every ``bind(0)`` and every outgoing connection on the host draws too: vLLM's own ZMQ and
-torch.distributed ports, UCX's tcp endpoints, HTTP clients. Regression: D's side-channel port
-was taken in that window ("Address already in use"), and every test of that server
-configuration errored. Ports handed out here lie below the ephemeral range, where nothing is
-assigned without being asked for by number.
+torch.distributed ports, UCX's tcp endpoints, HTTP clients, so D's side-channel port can be
+taken in that window ("Address already in use") and every test of that server configuration
+errors. Ports handed out here lie below the ephemeral range, where nothing is assigned without
+being asked for by number.
 """
 
 from __future__ import annotations

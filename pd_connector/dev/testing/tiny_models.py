@@ -2,7 +2,7 @@
 
 The test machines have no model hub access, so every model the e2e tests serve is generated here
 from a fixed seed: a 1024-entry byte-level BPE tokenizer trained on torch's own ``.py`` files and
-three architectures that vLLM CPU 0.32.0 can serve (see docs / cpu-recipes section 4):
+architectures that vLLM CPU 0.32.0 can serve (docs/testing.md, "Tiny models"):
 
 - ``llama``: plain attention (LlamaForCausalLM); ``llama_kv1``: the same with one KV head
   (replicated on every rank at TP 2).
@@ -17,7 +17,7 @@ three architectures that vLLM CPU 0.32.0 can serve (see docs / cpu-recipes secti
 
 Weights are saved in **float32**: bf16 is not stable across the P/D split on CPU (aggregated
 prefill of N tokens vs. P prefilling N-1 and D computing the last one accumulate differently), so
-exact-match oracles need float32 (cpu-recipes 10.5/10.7). The exception is ``qwen3_next_mtp``:
+exact-match oracles need float32 (docs/testing.md, "How outputs are compared"). The exception is ``qwen3_next_mtp``:
 vLLM CPU's GDN kernel runs only in bf16 ("CPU GDN attention requires BF16"), so tests on it use
 the margin-aware oracle.
 
@@ -139,7 +139,7 @@ def common_config(tok) -> dict[str, Any]:
 
 
 def _model_config(kind: str, tok) -> Any:
-    """HF config for ``kind``; sizes as in cpu-recipes section 4 (head_dim 32: CPU_ATTN minimum)."""
+    """HF config for ``kind``: hidden size 64, head_dim 32 (the smallest CPU_ATTN supports)."""
     common = common_config(tok)
     if kind in ("llama", "llama_kv1"):
         from transformers import LlamaConfig
