@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pd_connector.core import shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
-from pd_connector.core.protocol import EngineCompat, PrefillRef, ReadDone, encode_read_done
+from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
+from pd_connector.engine.prefill_engines import PrefillEngines
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
 from pd_connector.transport.prefill_calls import ClaimRequest, PrefillCalls
 
@@ -44,15 +45,6 @@ MiB = 1 << 20
 SLOW_NIXL_CALL_S = 1.0
 # Threads making side-channel calls (handshakes, claims, releases, extensions).
 _SIDE_CHANNEL_THREADS = 4
-
-
-@dataclass
-class _Engine:
-    """A connected P engine: the transport peer key per paired P rank (None: this rank reads
-    nothing from it), and the P ranks' NIXL agent names (a restarted P has new ones)."""
-
-    sources: dict[int, str | None]
-    agents: dict[int, str]
 
 
 @dataclass
@@ -105,9 +97,7 @@ class Receiver:
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
-        self._engines: dict[str, _Engine] = {}
-        self._connecting: dict[str, Future] = {}
-        self._engine_errors: dict[str, tuple[str, str]] = {}
+        self._peers = PrefillEngines(transport, self._calls, self._submit, tp_rank, tp_size, self.recorder)
         self._loads: dict[str, _Load] = {}
         self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
         self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
@@ -138,7 +128,7 @@ class Receiver:
             readers=shards.readers_per_rank(p, self.tp_size),
         )
         self._waiting.extend((request_id, rank) for rank in ranks)
-        self._connect(task.prefill)
+        self._peers.connect(task.prefill)
 
     def release_all(self, task: ReleaseTask) -> None:
         """D's scheduler will not load this handoff: every P rank may free it (each D rank sends
@@ -163,7 +153,7 @@ class Receiver:
 
     def advance(self) -> None:
         """Move every request as far along as it can go now; never blocks."""
-        self._finish_connects()
+        self._peers.finish_connects()
         self._start_claims()
         self._start_reads()
         self._poll_reads()
@@ -203,89 +193,19 @@ class Receiver:
 
     # -- stages -----------------------------------------------------------------------------
 
-    def _connect(self, prefill: PrefillRef) -> None:
-        key = prefill.engine_id
-        if key in self._engines or key in self._connecting:
-            return
-        ranks = shards.peer_ranks(prefill.tp_size, self.tp_size, self.tp_rank)
-        self._connecting[key] = self._submit(self._handshakes, prefill, ranks)
-
-    def _handshakes(self, prefill: PrefillRef, ranks: tuple[int, ...]):
-        return [(rank, *self._calls.handshake(prefill, rank)) for rank in ranks]
-
-    def _finish_connects(self) -> None:
-        for key, future in list(self._connecting.items()):
-            if not future.done():
-                continue
-            del self._connecting[key]
-            try:
-                answers = future.result()
-                started = time.monotonic()
-                engine = self._add_engine(key, answers)
-            except shards.ShardError as exc:
-                self._engine_errors[key] = (f"tensor-parallel layouts cannot be paired: {exc}", "tp_mismatch")
-                logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
-                continue
-            except Exception as exc:
-                self._engine_errors[key] = (f"handshake failed: {exc}", "handshake")
-                logger.warning("pd_connector: handshake with prefill engine %s failed: %s", key, exc)
-                continue
-            self._engines[key] = engine
-            self._engine_errors.pop(key, None)
-            self.recorder.observe("handshake_seconds", max(s for _, _, s in answers) + time.monotonic() - started)
-            logger.info(
-                "pd_connector: TP rank %d/%d connected to prefill engine %s (TP %d, ranks %s)",
-                self.tp_rank,
-                self.tp_size,
-                key,
-                answers[0][1].tp_size,
-                [rank for rank, _, _ in answers],
-            )
-
-    def _add_engine(self, key: str, answers) -> _Engine:
-        """Load the paired P ranks' agents and prepare what to read from each."""
-        p = answers[0][1].tp_size
-        welcome_of = {rank: welcome for rank, welcome, _ in answers}
-        if p == self.tp_size:
-            plans = {rank: (None, tuple(w.regions)) for rank, w in welcome_of.items()}
-        else:
-            remote = {rank: w.regions for rank, w in welcome_of.items()}
-            plans = shards.shard_regions(self.transport.regions, remote, [rank for rank, _, _ in answers])
-        sources: dict[int, str | None] = {}
-        for rank, (local, regions) in plans.items():
-            if local is not None and not local:
-                sources[rank] = None  # every unit this rank holds is read from another
-                continue
-            peer = f"{key}#{rank}"
-            welcome = welcome_of[rank]
-            self.transport.remove_peer(peer)
-            self.transport.add_peer(
-                peer, welcome.agent_metadata, regions, agent_name=welcome.agent_name, local_regions=local
-            )
-            # Connect now, while the claim is in flight, not in the first READ.
-            self.transport.connect(peer)
-            sources[rank] = peer
-        return _Engine(sources, {rank: w.agent_name for rank, w in welcome_of.items()})
-
-    def _drop_engine(self, key: str) -> None:
-        engine = self._engines.pop(key, None)
-        if engine is not None:
-            for peer in engine.sources.values():
-                if peer is not None:
-                    self.transport.remove_peer(peer)
-
     def _start_claims(self) -> None:
         still = []
         for leg in self._waiting:
             request_id, rank = leg
             load = self._loads[request_id]
             key = load.task.prefill.engine_id
+            error = self._peers.errors.get(key)
             if load.error is not None:
                 self._end_leg(leg, release=True)
-            elif key in self._engine_errors:
-                why, kind = self._engine_errors[key]
-                self._end_leg(leg, (why, kind), release=kind != "handshake")
-            elif key in self._engines:
+            elif error is not None:
+                # A P that never answered cannot hear a release either (it frees at expiry).
+                self._end_leg(leg, error, release="no answer from" not in error[0])
+            elif key in self._peers.engines:
                 task = load.task
                 request = ClaimRequest(
                     task.prefill, rank, task.replay_offset, task.remote_block_ids or [], load.reader, load.readers
@@ -294,13 +214,11 @@ class Receiver:
                 sent = time.monotonic()
                 self._claims[leg] = (self._submit(self._calls.claim, request), sent)
             else:
-                if key not in self._connecting:
-                    self._connect(load.task.prefill)  # dropped (restarted P): connect again
+                self._peers.connect(load.task.prefill)  # a no-op unless dropped (restarted P)
                 still.append(leg)
         self._waiting = still
-        if self._engine_errors and not self._waiting and not self._connecting:
-            # A later request retries a peer that failed (it may have restarted).
-            self._engine_errors.clear()
+        if not self._waiting:
+            self._peers.forget_errors()
 
     def _start_reads(self) -> None:
         for leg, (future, sent) in list(self._claims.items()):
@@ -318,12 +236,12 @@ class Receiver:
             if granted.lease_seconds > 0:
                 self._shortest_lease = min(self._shortest_lease, granted.lease_seconds)
             key = load.task.prefill.engine_id
-            engine = self._engines.get(key)
+            engine = self._peers.engines.get(key)
             if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):
                 # P restarted under the same engine id since we connected: connect again, then
                 # claim again (idempotent: same reader).
                 logger.info("pd_connector: prefill engine %s restarted; connecting again", key)
-                self._drop_engine(key)
+                self._peers.drop(key)
                 self._waiting.append(leg)
                 continue
             if load.error is not None:

@@ -70,7 +70,7 @@ class SchedulerHalf:
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
         self._faults = Faults()
-        # P: its TP size goes into kv_transfer_params (D reads each rank's shard).
+        # This engine's TP size: P sends it in kv_transfer_params; D logs and counts the pair.
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
@@ -301,6 +301,7 @@ class SchedulerHalf:
         inside schedule().
         """
         tails = []
+        tp_pairs: dict[str, int] = {}
         for admitted in self._to_pair:
             request_id, decision = admitted.request_id, admitted.decision
             num_external_tokens = admitted.num_external_tokens
@@ -333,6 +334,8 @@ class SchedulerHalf:
             )
             recompute = admitted.num_prompt_tokens - decision.offset
             tails.append(recompute)
+            pair = f"{params.tp_size}->{self._tp_size}"
+            tp_pairs[pair] = tp_pairs.get(pair, 0) + 1
             # Per request at DEBUG only: formatting an INFO record on every handoff was the
             # largest cost of this path (pd_connector.dev.benchmarks.scheduler). The figures are in
             # the vllm:pd_recompute_tokens histogram and vllm:pd_events_total; operators get one
@@ -342,11 +345,12 @@ class SchedulerHalf:
                 self._peers_seen.add(params.remote_engine_id)
                 logger.log(
                     logging.INFO if first else logging.DEBUG,
-                    "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
+                    "pd_connector: request %s: loading %d token(s) from %s (TP %s), replay_offset=%d, "
                     "recomputing %d token(s)%s",
                     request_id,
                     num_external_tokens,
                     params.remote_engine_id,
+                    pair,
                     decision.offset,
                     recompute,
                     " (first handoff from this prefill engine; the next ones are logged at DEBUG)"
@@ -355,6 +359,8 @@ class SchedulerHalf:
                 )
         self._to_pair = []
         self.recorder.count("handoff_accepted", len(tails))
+        for pair, count in tp_pairs.items():
+            self.recorder.count(f"handoff_tp:{pair}", count)
         self.recorder.observe_all("recompute_tokens", tails)
 
     def _release(self, decision: handoff.Accepted, why: str) -> None:

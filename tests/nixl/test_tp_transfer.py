@@ -207,7 +207,7 @@ def test_swapped_rank_shards_are_caught_by_the_byte_comparison():
     bytes where rank 0's belong, and back) fails the byte comparison."""
 
     def swap(receivers):
-        real = receivers[0]._add_engine
+        real = receivers[0]._peers._add_engine
 
         def add_engine(key, answers):
             (r0, w0, s0), (r1, w1, s1) = answers
@@ -218,7 +218,7 @@ def test_swapped_rank_shards_are_caught_by_the_byte_comparison():
 
             return real(key, [(r0, with_segments_of(w0, w1), s0), (r1, with_segments_of(w1, w0), s1)])
 
-        receivers[0]._add_engine = add_engine
+        receivers[0]._peers._add_engine = add_engine
 
     with pytest.raises(pytest.fail.Exception, match="bytes differ"):
         run_handoff(Model(shards.MAMBA2, kv_heads=2, n_groups=2), 2, 1, free_ports(2), {"r1": REQUESTS["r1"]}, swap)

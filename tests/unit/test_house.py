@@ -172,9 +172,6 @@ def test_no_module_is_over_the_line_limit():
 # transport/prefill_calls.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
 # ExtendTask) for the P it calls: an engine -> transport -> engine cycle, until those calls take
 # a core type instead. Listed here so that no other crossing hides behind it.
-KNOWN_LAYER_VIOLATIONS = ("pd_connector.transport.prefill_calls imports pd_connector.engine.metadata",)
-
-
 def sources_of(layer: str) -> dict[str, str]:
     return {module_name(p): p.read_text() for p in modules(PACKAGE / layer)}
 
@@ -183,15 +180,7 @@ def sources_of(layer: str) -> dict[str, str]:
 def test_subpackage_imports_only_the_layers_below_it(layer):
     sources = sources_of(layer)
     assert sources, layer
-    unexpected = [v for v in layer_violations(sources) if not v.startswith(KNOWN_LAYER_VIOLATIONS)]
-    assert unexpected == []
-
-
-@pytest.mark.xfail(strict=True, reason="transport/prefill_calls.py imports engine.metadata (KNOWN_LAYER_VIOLATIONS)")
-def test_transport_imports_only_core():
-    """Passes (and so fails as a strict xfail) once the known crossing is gone: then drop it from
-    KNOWN_LAYER_VIOLATIONS and this marker."""
-    assert layer_violations(sources_of("transport")) == []
+    assert layer_violations(sources) == []
 
 
 @pytest.mark.parametrize("name, source", [
