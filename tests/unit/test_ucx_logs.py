@@ -25,6 +25,14 @@ LOG = """\
 [1.3] [p-host:11:1]   +-------------+----------------------+-----------------------------+
 INFO 12-01 vLLM says something | with a pipe
 [2.0] [one:13:0]   +--------+-------------+--------------+
+[2.0] [one:13:0]   | pd-d self cfg#0                       |
+[2.0] [one:13:0]   | remote memory write by ucp_put* from host memory to host |
+[2.0] [one:13:0]   +--------+-------------+--------------+
+[2.0] [one:13:0]   | Range  | Description | Config       |
+[2.0] [one:13:0]   +--------+-------------+--------------+
+[2.0] [one:13:0]   | 0..inf | zero-copy   | cma/memory   |
+[2.0] [one:13:0]   +--------+-------------+--------------+
+[2.0] [one:13:0]   +--------+-------------+--------------+
 [2.0] [one:13:0]   | pd-d intra-node cfg#2                 |
 [2.0] [one:13:0]   | remote memory read by ucp_get*(multi) into host memory from host |
 [2.0] [one:13:0]   +--------+-------------+--------------+
@@ -40,10 +48,12 @@ def test_tables_are_read_per_process_and_a_cut_off_table_is_ignored():
     assert [(t.source, t.title) for t in tables] == [
         ("d-host:12:0", "pd-d inter-node cfg#1"),
         ("p-host:11:1", "pd-p inter-node cfg#1"),
+        ("one:13:0", "pd-d self cfg#0"),
         ("one:13:0", "pd-d intra-node cfg#2"),
     ]
     assert tables[1].rows == [("0..8176", "short", "tcp/veth0"), ("8177..inf", "zero-copy", "tcp/veth0")]
-    assert [t.inter_node for t in tables] == [True, True, False]
+    assert [t.inter_node for t in tables] == [True, True, False, False]
+    assert [t.to_peer for t in tables] == [True, True, False, True]
 
 
 def test_read_tables_are_the_ucp_get_ones_and_name_their_transports():

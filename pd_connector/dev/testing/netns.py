@@ -55,7 +55,7 @@ def unavailable_reason() -> str | None:
     """Why two namespaced hosts cannot be made here, or None when they can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "needs root (ip netns add, veth, bridge, mount --bind)"
-    for tool in ("ip", "unshare", "mount", "hostname"):
+    for tool in ("ip", "tc", "unshare", "mount", "hostname"):
         if shutil.which(tool) is None:
             return f"needs the {tool!r} command"
     probe = f"{DEFAULT_PREFIX}probe{os.getpid() % 100000}"
@@ -108,6 +108,16 @@ class Host:
     def set_link(self, up: bool) -> None:
         """Take this host's link down (the cable pulled) or up again."""
         _ip("-n", self.netns, "link", "set", self.veth, "up" if up else "down")
+
+    def limit_rate(self, rate: str | None) -> None:
+        """Cap what this host sends (``tc`` token bucket, e.g. "2mbit"), so that a READ from it
+        lasts long enough to act during it; None lifts the cap."""
+        if rate is None:
+            subprocess.run(["tc", "-n", self.netns, "qdisc", "del", "dev", self.veth, "root"],
+                           capture_output=True, timeout=30)
+            return
+        subprocess.run(["tc", "-n", self.netns, "qdisc", "replace", "dev", self.veth, "root", "tbf", "rate", rate,
+                        "burst", "16kb", "limit", "256kb"], capture_output=True, text=True, check=True, timeout=30)
 
 
 class TwoHosts:

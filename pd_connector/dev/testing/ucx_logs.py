@@ -13,7 +13,8 @@ like this (every line prefixed ``[time] [host:pid:thread]``)::
     +--------+--------------------+------------------------------------+
 
 The first title line names the worker and whether UCX put the peer on this node
-("intra-node", where shared memory and cma qualify) or another ("inter-node"); the Config cells
+("intra-node", where shared memory and cma qualify) or another ("inter-node"), or that the
+endpoint is the worker's own ("self"); the Config cells
 are ``transport/device`` (``tcp/eth0``, ``cma/memory``, ``posix/memory``...). A NIXL READ is
 ``ucp_get``: its table is the one whose operation starts with "remote memory read".
 """
@@ -41,6 +42,12 @@ class ProtoTable:
     @property
     def inter_node(self) -> bool:
         return " inter-node " in f" {self.title} "
+
+    @property
+    def to_peer(self) -> bool:
+        """An endpoint to another worker ("inter-node" or "intra-node"), not the worker's
+        endpoint to itself ("self", which NIXL's agent opens too and UCX serves over cma)."""
+        return self.inter_node or " intra-node " in f" {self.title} "
 
     @property
     def configs(self) -> list[str]:
