@@ -16,8 +16,10 @@ from typing import Sequence
 # ``pd-connector bench NAME`` runs ``pd_connector.dev.benchmarks.NAME.main(argv) -> int``.
 BENCHMARKS = {
     "transfer": "KV transfer: the connector's READ path vs raw NIXL vs memcpy (needs NIXL)",
+    "transfer_tp": "KV transfer across tensor-parallel sizes: per D rank, descriptors and bytes per P rank vs raw NIXL (needs NIXL)",
     "scheduler": "µs per request in pd_connector's scheduler hooks vs vLLM's own (in process)",
-    "e2e": "P/D through the proxy vs aggregated serving on real vLLM servers (starts servers)",
+    "e2e": "pd_connector vs vLLM's NixlConnector, each behind the proxy, on real vLLM servers (starts servers)",
+    "nixl_progress": "NIXL progress-thread poll delay: idle CPU per agent and a loopback READ (needs NIXL)",
 }
 
 
@@ -148,11 +150,12 @@ example:
 
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark (prints a table, writes JSON and a PNG plot)",
+        help="run a benchmark (prints a table, writes JSON and, for most, a PNG plot)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of pd_connector's benchmarks. Measurements, not tests: each prints a "
-        "table and\nwrites JSON and a PNG plot, its baselines measured in the same run.\n\n"
-        + "\n".join(f"  {name:<10} {text}" for name, text in BENCHMARKS.items()),
+        "table and\nwrites JSON (and, for most, a PNG plot), its baselines measured in the same run.\n"
+        "The figures measured for pd_connector, and how: docs/benchmarks.md.\n\n"
+        + "\n".join(f"  {name:<13} {text}" for name, text in BENCHMARKS.items()),
         epilog="Everything after the benchmark's name goes to the benchmark itself, e.g.\n"
         "  pd-connector bench transfer --help\n"
         "  pd-connector bench scheduler --quick",

@@ -146,4 +146,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         # (a hybrid model without the hybrid KV-cache manager) here, not in __init__, which
         # runs only after the KV cache exists.
         check_supported(vllm_config)
-        return None  # pages are copied byte for byte; any layout both sides share works
+        model = getattr(vllm_config, "model_config", None)
+        if model is not None and getattr(model, "use_mla", False):
+            return None  # one latent per token, no heads: any layout both sides share works
+        # Heads outermost in a block's page, so a decode rank's KV heads are one byte range of a
+        # prefill rank's page whatever the two TP sizes (as vLLM's NixlConnector asks).
+        return "LBHNC"

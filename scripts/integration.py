@@ -11,6 +11,11 @@ any mismatch.
                  tokens: D refuses P's offset and recomputes, or, with --hint, the proxy passes
                  D's requirement to P and the handoff is honoured).
 
+Built on ``pd_connector.dev.demo`` (``run_prompts``, ``print_table``) and
+``pd_connector.dev.testing.stack`` (baseline + P + D + proxy), with the CPU model matrix of
+``pd_connector.dev.testing.cpu_matrix``. It starts vLLM servers: on a shared box run it under
+``flock /tmp/pd-e2e.lock``. Not a benchmark (those are ``pd-connector bench``).
+
 Examples:
   .venv/bin/python scripts/integration.py
   python scripts/integration.py --device cuda
@@ -38,7 +43,7 @@ def cpu_runs(args):
             server_args=CPU_MODELS[kind],
             log_dir=str(Path(args.work_dir) / "integration" / kind),
         )
-        # float32: the P/D split moves logprobs by ~1e-6 at most (cpu-recipes 10.5).
+        # float32: the P/D split moves logprobs by ~1e-6 at most (docs/testing.md).
         yield kind, config, ATTENTION_BLOCK[kind], 1e-5, 1e-4
 
 

@@ -9,7 +9,10 @@ tiny bf16 Qwen3-Next with 3 MTP modules), hands each prompt from every instance 
 Prints one row per cell: how many prompts matched, diverged (with the first differing token),
 or failed with an HTTP error, and writes the table to ``.artifacts/bench/skew_<connector>.json``
 after every cell (a partial run still leaves its record).
-Measurements, not assertions: tests/e2e/test_speculative.py asserts the PDConnector matrix.
+A correctness record, not a benchmark and not a test: tests/e2e/test_speculative.py asserts the
+PDConnector matrix; the NixlConnector record (docs/bench/skew_NixlConnector.json) is discussed
+in docs/benchmarks.md. Instances, cells and the bf16 oracle: ``pd_connector.dev.testing.spec_matrix``.
+It starts vLLM servers: on a shared box run it under ``flock /tmp/pd-e2e.lock``.
 
 vLLM's NixlConnector cannot hand a request to its own instance (``register_remote_engine``:
 "Cannot register local engine ... as remote"), so its diagonal cells are skipped by default

@@ -1,7 +1,7 @@
 """``pd-connector check``: does this P/D pair hand a prompt over correctly?
 
 Talks to the two vLLM servers directly (not through a proxy), with the standard library only
-(``check_client``):
+(``client``):
 
 1. both answer ``/health`` and ``/v1/models`` and serve the same model;
 2. one prefill on P with ``do_remote_decode`` and a token-id prompt of N tokens; P must return

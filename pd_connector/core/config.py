@@ -41,26 +41,21 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     # NIXL's UCX worker threads, each with its own UCX worker: D's READ is split evenly over
-    # them and posted asynchronously (transport.backend_params). 2 copied scattered pages at
-    # ~1.5x one descriptor's speed on the 2-core CPU box and kept the copy off D's engine
-    # thread. Opt-in, not the default: between the kv_both instances of the speculative test
-    # matrix, D's first READ from a new P through them stalled (the post held D's engine thread
-    # 2-87 s, or the READ did not complete for 15-105 s) in 5 of 12 reruns, and none of 10 with
-    # nixl_ucx_error_handling "none" (docs/operations.md, "Worker threads"). 0: no worker
+    # them and posted asynchronously (transport/nixl.py, backend_params), off D's engine thread.
+    # Opt-in: D's first READ from a new P through them can stall on one host under
+    # nixl_ucx_error_handling "peer" (docs/operations.md, "Worker threads"). 0: no worker
     # threads (over DRAM the post copies, so D slices each READ, see nixl_read_chunk_mib).
     nixl_num_threads: int = 0
     # UCX endpoints' error handling ("peer", NIXL's default, or "none"). It also picks UCX's
     # lanes: under "peer" only transports that detect peer failure qualify, so on one host
     # active messages and connection set-up go over tcp; "none" lets shared memory carry them.
-    # With worker threads, "none" made the first-READ stalls of nixl_num_threads go away in the
-    # speculative matrix (0 in 10 reruns, against 5 in 12 with "peer"; docs/operations.md,
-    # "Worker threads"), and a dead P was still reported (NIXL_ERR_REMOTE_DISCONNECT, over
-    # DRAM/cma, before and during a READ). Keep "peer" across hosts: UCX promises no failure
-    # report under "none", so a dead remote peer may hang or abort a READ (not measured here).
+    # On one host "none" avoids the first-READ stalls of nixl_num_threads (docs/operations.md,
+    # "Worker threads"). Keep "peer" across hosts: UCX promises no failure report under "none",
+    # so a dead remote peer may hang or abort a READ.
     nixl_ucx_error_handling: str = "peer"
     # How often NIXL's progress thread polls, in µs. NIXL 1.5.1's Python API fixes 0 (it spins:
     # a core per connected agent). Unset: 100 over DRAM (CPU hosts, where that core is the
-    # model's; measured ~4% of a core and 2x loopback READ GB/s), 0 over VRAM (NIXL's and vLLM
+    # model's: docs/benchmarks.md, "NIXL progress thread"), 0 over VRAM (NIXL's and vLLM
     # NixlConnector's behaviour on GPU hosts).
     nixl_progress_delay_us: int | None = None
     # vLLM keeps stepping, with nothing scheduled, as long as P holds a lease or D waits for a
@@ -86,9 +81,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     claim_wait_seconds: float = 5.0
     # D warns (once per request, event `read_slow`) when a READ has been in flight this long.
     # A warning, not a timeout: NIXL 1.5.1 cannot cancel a posted READ safely (a late copy could
-    # land in blocks D has reused), so D keeps waiting. With 0 worker threads the slowest READ of
-    # the CI matrices was ~0.35 s; a READ past this points at the transport (docs/operations.md,
-    # "Slow READs").
+    # land in blocks D has reused), so D keeps waiting. A healthy READ takes well under a second;
+    # one past this points at the transport (docs/operations.md, "Slow READs").
     read_warn_seconds: float = 5.0
 
     # Filled by parse_settings from the file or the environment; excluded from repr.

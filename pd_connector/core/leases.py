@@ -10,6 +10,11 @@ release) ends the lease; so does the deadline. Either way the id is reported to 
 A completion can overtake its grant: D may release as soon as the router forwards P's params,
 while the grant reaches P's worker with the next engine step. Such early completions are
 remembered (bounded by time) and settle the grant on arrival.
+
+With tensor parallelism each P rank keeps its own table (every rank receives the same grants),
+and several D ranks may read one P rank's shard: a lease then ends only when each of its
+``readers`` has completed (READ notification or release, one per reader, idempotent), or when
+D's scheduler releases it whole (no reader), or at its deadline.
 """
 
 from __future__ import annotations
@@ -38,6 +43,17 @@ class Lease(NamedTuple):
     deadline: float
     offset: int
     block_ids: tuple[tuple[int, ...], ...]
+    readers: int = 1  # completions this rank waits for (the largest count a reader announced)
+    done: frozenset[str] = frozenset()  # readers that completed
+
+
+class _Early(NamedTuple):
+    """Completions that arrived before the grant."""
+
+    seen: float
+    readers: int
+    done: frozenset[str]
+    whole: bool  # a release without a reader: the lease ends on arrival
 
 
 def _frozen(block_ids) -> tuple[tuple[int, ...], ...]:
@@ -47,7 +63,7 @@ def _frozen(block_ids) -> tuple[tuple[int, ...], ...]:
 class LeaseTable:
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
-        self._early: dict[str, float] = {}
+        self._early: dict[str, _Early] = {}
         self._expired: dict[str, float] = {}
         self._finished: list[str] = []
         self.expired_total = 0
@@ -59,17 +75,20 @@ class LeaseTable:
         return request_id in self._leases
 
     def grant(self, request_id: str, deadline: float, offset: int = 0, block_ids=()) -> None:
-        if request_id in self._early:
-            del self._early[request_id]
-            self._finished.append(request_id)
-            return
-        self._leases[request_id] = Lease(deadline, offset, _frozen(block_ids))
+        early = self._early.pop(request_id, None)
+        lease = Lease(deadline, offset, _frozen(block_ids))
+        if early is not None:
+            if early.whole or len(early.done) >= early.readers:
+                self._finished.append(request_id)
+                return
+            lease = lease._replace(readers=early.readers, done=early.done)
+        self._leases[request_id] = lease
 
     def claim(
-        self, request_id: str, offset: int, block_ids, now: float, extend_to: float
+        self, request_id: str, offset: int, block_ids, now: float, extend_to: float, readers: int = 1
     ) -> tuple[str, str]:
         """(outcome, explanation) for D's claim; on GRANTED the deadline becomes at least
-        ``extend_to``."""
+        ``extend_to`` and the lease waits for at least ``readers`` completions."""
         lease = self._leases.get(request_id)
         if lease is None:
             if request_id in self._expired:
@@ -84,7 +103,9 @@ class LeaseTable:
                 f"does not match the lease (offset {lease.offset}, blocks "
                 f"{list(map(list, lease.block_ids))}): parameters altered in transit"
             )
-        self._leases[request_id] = lease._replace(deadline=max(lease.deadline, extend_to))
+        self._leases[request_id] = lease._replace(
+            deadline=max(lease.deadline, extend_to), readers=max(lease.readers, readers)
+        )
         return GRANTED, ""
 
     def extend(self, request_id: str, now: float, extend_to: float) -> bool:
@@ -95,14 +116,29 @@ class LeaseTable:
         self._leases[request_id] = lease._replace(deadline=max(lease.deadline, extend_to))
         return True
 
-    def complete(self, request_id: str, now: float) -> bool:
-        """D is done with ``request_id``. False if no lease is known (yet, or any more)."""
-        if self._leases.pop(request_id, None) is not None:
-            self._finished.append(request_id)
-            return True
-        if request_id not in self._expired:
-            self._early[request_id] = now
-        return False
+    def complete(self, request_id: str, now: float, reader: str = "", readers: int = 1) -> bool:
+        """``reader`` (one of ``readers``) is done with ``request_id``; no reader: every
+        reader is (D's scheduler released it). True when this ended the lease; False while
+        other readers are still due, or if no lease is known (yet, or any more)."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            if request_id not in self._expired:
+                early = self._early.get(request_id) or _Early(now, 1, frozenset(), False)
+                self._early[request_id] = _Early(
+                    early.seen,
+                    max(early.readers, readers),
+                    early.done | {reader} if reader else early.done,
+                    early.whole or not reader,
+                )
+            return False
+        if reader:
+            lease = lease._replace(readers=max(lease.readers, readers), done=lease.done | {reader})
+            if len(lease.done) < lease.readers:
+                self._leases[request_id] = lease
+                return False
+        del self._leases[request_id]
+        self._finished.append(request_id)
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Leases past their deadline; each is finished (its blocks freed) exactly once.
@@ -114,9 +150,10 @@ class LeaseTable:
             self._expired[rid] = now
         self._finished.extend(expired)
         self.expired_total += len(expired)
-        for memory in (self._early, self._expired):
-            for rid in [rid for rid, seen in memory.items() if now - seen > MEMORY_TTL]:
-                del memory[rid]
+        for rid in [rid for rid, early in self._early.items() if now - early.seen > MEMORY_TTL]:
+            del self._early[rid]
+        for rid in [rid for rid, seen in self._expired.items() if now - seen > MEMORY_TTL]:
+            del self._expired[rid]
         return expired
 
     def take_finished(self) -> set[str]:

@@ -120,7 +120,7 @@ class BlockPairs:
 
     D pairs every handoff inside vLLM's scheduling step; building these from two list slices
     (or P's list itself) instead of one tuple per block is what keeps long prompts cheap there
-    (see ``pd_connector.dev.benchmarks.scheduler``). It reads as the sequence of pairs (``len``,
+    (``pd-connector bench scheduler``). It reads as the sequence of pairs (``len``,
     iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
     ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
     """
@@ -196,14 +196,14 @@ def pair_block_lists(
 
     ``remote_checked``: the caller guarantees every remote id is a positive int (D's scheduler:
     ``protocol.BlockId``, checked by msgspec when the params were decoded), so the per-id
-    re-check is skipped (``min`` over 256 ids: ~5 µs on the shared dev VM, as much as the
-    conversion); every shape check, and every check of D's own table, still runs.
+    re-check is skipped (it costs as much as the conversion: docs/benchmarks.md, "Scheduler-side
+    cost"); every shape check, and every check of D's own table, still runs.
 
     Raises ``PairingError`` when the shapes cannot be reconciled (tampered params or a P with a
     different layout) so the caller recomputes instead.
 
     One loop over the groups (D pairs inside vLLM's scheduling step, where each Python frame
-    costs; pd_connector.dev.benchmarks.scheduler), but the slot rule stays in mamba_state_index.
+    costs; ``pd-connector bench scheduler``), but the slot rule stays in mamba_state_index.
     Attention-type groups pair ``(remote[pos - base], local[pos])`` for ``pos`` in
     ``[first, n)``, as two slices (P's list itself when all of it is paired: nobody mutates a
     handoff's block lists).

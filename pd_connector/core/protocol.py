@@ -14,7 +14,11 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# Increment on any incompatible change to these types or their meaning; one line per version:
+#   1: replay offset, claim/grant/release/extend, per-state page maps.
+#   2: tensor parallelism: P's TP size in the params, one side channel per P rank
+#      (port + rank), rank and shard segments in Welcome, readers in Claim/Release/ReadDone.
+PROTOCOL_VERSION = 2
 
 # kv_transfer_params keys added to vLLM NixlConnector's (a superset, so routers that forward the
 # dict opaquely keep working).
@@ -36,10 +40,18 @@ PREFILL_REQUEST_PARAMS: dict = {
 }
 
 MAX_BLOCK_ID = 2**31 - 1
+# Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
+MAX_TP = 1024
 # A block id P may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
 # Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
 # step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
 BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
+
+# Longest P holds a claim's answer for a lease still on its way (Claim.wait_ms), whatever a
+# peer asks; D asks for at most half of it.
+MAX_CLAIM_PARK_MS = 2000
+# Completions a P rank waits for: one per D rank reading from it.
+Readers = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
 
 # Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -51,6 +63,20 @@ class ProtocolError(ValueError):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class PrefillRef(msgspec.Struct, frozen=True):
+    """One handoff on its prefill engine: which engine, where its side channel listens, P's
+    request id, and P's tensor-parallel size (rank r listens on ``port + r``)."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    tp_size: int = 1
+
+    def rank_port(self, rank: int) -> int:
+        return self.port + rank
 
 
 class HandoffParams(msgspec.Struct, frozen=True):
@@ -70,11 +96,25 @@ class HandoffParams(msgspec.Struct, frozen=True):
     remote_block_ids: list[list[BlockId]]
     do_remote_prefill: bool = True
     remote_num_tokens: int | None = None
+    # P's tensor-parallel size (NixlConnector's key): D reads each rank's shard.
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
 
+    @property
+    def prefill(self) -> PrefillRef:
+        return PrefillRef(
+            self.remote_engine_id, self.remote_host, self.remote_port, self.remote_request_id, self.tp_size
+        )
 
 
 def encode_handoff_params(
-    offset: int, source: list[list[int]], *, engine_id: str, request_id: str, host: str, port: int
+    offset: int,
+    source: list[list[int]],
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    tp_size: int = 1,
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
     kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
@@ -89,7 +129,7 @@ def encode_handoff_params(
         "remote_port": port,
         "remote_num_tokens": offset,
         "remote_blocks_expiry_time": None,
-        "tp_size": 1,
+        "tp_size": tp_size,
         "dcp_size": 1,
         "pp_size": 1,
         "transfer_mode": "pull",
@@ -128,29 +168,26 @@ def decode_handoff_params(raw: object) -> HandoffParams:
     return params
 
 
-class ReleaseTarget(msgspec.Struct, frozen=True):
-    """Where to tell a P that D will not read a request (best effort)."""
-
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
-
-
-def release_target(raw: object) -> ReleaseTarget | None:
+def release_target(raw: object) -> PrefillRef | None:
     """The P to release, from params too broken to decode as a whole (wrong version, bad
     offset...), so P frees the blocks now rather than at lease expiry. None if unusable, and
     None for params without ``replay_offset``: they come from another connector (vLLM's NIXL),
     whose side channel must never receive our messages (its listener dies on them)."""
     if not isinstance(raw, dict) or KEY_REPLAY_OFFSET not in raw:
         return None
+    tp_size = raw.get("tp_size", 1)
+    fields = {
+        "engine_id": raw.get("remote_engine_id"),
+        "host": raw.get("remote_host"),
+        "port": raw.get("remote_port"),
+        "request_id": raw.get("remote_request_id"),
+        "tp_size": tp_size if isinstance(tp_size, int) and 1 <= tp_size <= MAX_TP else 1,
+    }
     try:
-        target = msgspec.convert(
-            {k: raw.get(k) for k in ReleaseTarget.__struct_fields__}, ReleaseTarget, strict=True
-        )
+        target = msgspec.convert(fields, PrefillRef, strict=True)
     except (msgspec.ValidationError, RecursionError):
         return None
-    return target if 0 < target.remote_port < 65536 and target.remote_host else None
+    return target if 0 < target.port < 65536 and target.host else None
 
 
 def _check_ranges(params: HandoffParams) -> None:
@@ -158,8 +195,12 @@ def _check_ranges(params: HandoffParams) -> None:
         raise ProtocolError(
             "offset_out_of_range", f"replay_offset={params.replay_offset} is negative"
         )
-    if not 0 < params.remote_port < 65536:
-        raise ProtocolError("malformed", f"remote_port={params.remote_port} is not a TCP port")
+    if not 0 < params.remote_port <= 65536 - params.tp_size:
+        raise ProtocolError(
+            "malformed",
+            f"remote_port={params.remote_port} with tp_size={params.tp_size}: not TCP ports "
+            "(rank r listens on remote_port + r)",
+        )
     if not params.remote_host or not params.remote_engine_id or not params.remote_request_id:
         raise ProtocolError(
             "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
@@ -168,6 +209,19 @@ def _check_ranges(params: HandoffParams) -> None:
 
 
 # --- side channel -----------------------------------------------------------------------------
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True):
+    """Units ``first .. first + count`` of a global tensor axis ``unit`` (e.g. ``kv_head``,
+    ``x@0`` for conv channels of row 0, ``ssm_head``) held in a page, unit i at ``offset + i *
+    unit_bytes``; what lets ranks of different TP sizes find each other's bytes
+    (``shards.py``)."""
+
+    unit: str
+    first: int
+    count: int
+    offset: int
+    unit_bytes: int
 
 
 class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
@@ -190,6 +244,9 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     num_blocks: int
     rows: int = 0
     scratch_rows: int = 0
+    # This rank's shard of the layer, for peers of another TP size (empty: not described, so
+    # only an equal-TP peer can read it).
+    segments: tuple[Segment, ...] = ()
 
 
 class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -221,8 +278,13 @@ class EngineCompat(msgspec.Struct, frozen=True):
 def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
     """Human-readable differences, one per setting (empty list = compatible)."""
     diffs = []
+    # Ranks of different TP sizes hold pages of different sizes; the shard plan checks each
+    # unit's size instead (``shards.plan_region``).
+    same_tp = mine.tensor_parallel_size == theirs.tensor_parallel_size
     for field in EngineCompat.__struct_fields__:
         a, b = getattr(mine, field), getattr(theirs, field)
+        if field == "tensor_parallel_size":
+            continue
         if field == "groups":
             if len(a) != len(b):
                 diffs.append(f"number of KV-cache groups: local {len(a)}, remote {len(b)}")
@@ -230,7 +292,7 @@ def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
             for i, (ga, gb) in enumerate(zip(a, b)):
                 for sub in GroupDesc.__struct_fields__:
                     va, vb = getattr(ga, sub), getattr(gb, sub)
-                    if va != vb:
+                    if va != vb and (same_tp or sub != "page_bytes"):
                         diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}")
         elif a != b:
             diffs.append(f"{field}: local {a!r}, remote {b!r}")
@@ -252,13 +314,21 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     agent_metadata: bytes
     regions: list[LayerRegion]
     compat: EngineCompat
+    # This answer comes from rank ``tp_rank`` of P's ``tp_size`` ranks (one side channel each).
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
     """D -> P: D will not read these requests' blocks (refused, or its own prefix hit
-    covered them); P may free them now instead of at lease expiry."""
+    covered them); P may free them now instead of at lease expiry. From one reader (a D rank)
+    it counts as that reader's completion (``leases.LeaseTable.complete``); without a reader
+    (D's scheduler) it ends the lease. ``reason`` goes into P's log."""
 
     request_ids: list[str]
+    reason: str = ""
+    reader: str = ""
+    readers: Readers = 1
 
 
 class Claim(msgspec.Struct, tag="claim", frozen=True):
@@ -274,7 +344,10 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     # How long P may hold the answer while the lease is still on its way from P's scheduler to
     # its worker (one engine step; the claim can overtake it): P answers the moment it lands
     # instead of D polling. 0 (and P without this field): answer at once, Pending if unknown.
-    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 0
+    wait_ms: Annotated[int, msgspec.Meta(ge=0)] = 0  # P holds at most MAX_CLAIM_PARK_MS
+    # Who reads (a D rank) and how many readers this P rank waits for before it frees.
+    reader: str = ""
+    readers: Readers = 1
 
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):
@@ -290,6 +363,8 @@ class Granted(msgspec.Struct, tag="granted", frozen=True):
 
     lease_seconds: float
     state_digest: bytes = b""
+    # The granting rank's NIXL agent: another one than D connected to means P restarted.
+    agent_name: str = ""
 
 
 class Pending(msgspec.Struct, tag="pending", frozen=True):
@@ -307,6 +382,30 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     """P -> D: the request was refused; ``reason`` says why."""
 
     reason: str
+
+
+class ReadDone(msgspec.Struct, frozen=True, array_like=True):
+    """D -> P as the NIXL notification riding on a READ's last post: ``reader`` has read its
+    share of ``request_id`` (P frees after ``readers`` of them)."""
+
+    request_id: str
+    reader: str = ""
+    readers: Readers = 1
+
+
+_read_done_decoder = msgspec.msgpack.Decoder(ReadDone)
+
+
+def encode_read_done(done: ReadDone) -> bytes:
+    return _envelope_encoder.encode(done)
+
+
+def decode_read_done(data: bytes) -> ReadDone:
+    """A READ's notification, or ``ProtocolError`` (P logs and ignores it)."""
+    try:
+        return _read_done_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("malformed", f"READ notification {data[:64]!r}: {exc}") from None
 
 
 Message = Hello | Welcome | Release | Claim | Extend | Granted | Pending | Ack | Reject

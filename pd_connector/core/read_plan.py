@@ -1,9 +1,11 @@
 """How D posts one planned READ (pure, numpy): slices by size where the post itself copies
 (``chunk_bounds``), and for NIXL's UCX worker threads the order and posts that give every thread
 an equal share (``cut_long_runs``, ``thread_slices``). The descriptor plan itself, and NIXL's
-merge rule these build on, live in ``layout.py``."""
+merge rule these build on, live in ``core/layout.py``."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,9 +90,9 @@ def thread_slices(
     Why: NIXL 1.5.1 cuts a READ into chunks of ``n // threads`` runs, so such an n makes one
     chunk more than there are threads; it lands in the first thread's queue behind that
     thread's whole first chunk, and ``transfer()`` returns only when every chunk is posted
-    (nixlUcxThreadPoolEngine::sendXferRange). Measured with 2 threads: 111 runs of 2 MiB held
-    the posting thread 27 ms, 110 or 112 runs 0.3 ms. ``cut_long_runs`` avoids it wherever a
-    run can be cut; this covers READs of single-descriptor runs."""
+    (nixlUcxThreadPoolEngine::sendXferRange), a whole copy's wait on the posting thread
+    (docs/benchmarks.md, "Transfer path"). ``cut_long_runs`` avoids it wherever a run can be
+    cut; this covers READs of single-descriptor runs."""
     n = int(local_idx.size)
     if n == 0:
         return []
@@ -101,3 +103,27 @@ def thread_slices(
         return [(0, n)]
     cut = int(starts[runs - extra])
     return [(0, cut), (cut, n)]
+
+
+# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
+# its median run), so that NIXL's split by descriptor count (``cut_long_runs``) leaves each
+# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
+# would become a noticeable share of its copy (docs/benchmarks.md, per-descriptor cost).
+RUN_PIECES_PER_THREAD = 8
+MIN_RUN_PIECE_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """One READ from one peer, planned once: descriptor indices on both sides, the slices it
+    is posted in (``bounds``: index ranges), the runs NIXL moves after its merge and the bytes."""
+
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    bounds: list[tuple[int, int]]
+    runs: int
+    nbytes: int
+
+    @property
+    def empty(self) -> bool:
+        return self.local_idx.size == 0

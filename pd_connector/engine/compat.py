@@ -111,12 +111,14 @@ def check_supported(vllm_config: Any) -> None:
     """Refuse, at start-up, what this version cannot transfer correctly."""
     check_hybrid_kv_cache_manager(vllm_config)
     parallel = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size"):
+    # Tensor parallelism is supported (core/shards.py); pipeline and decode-context parallelism
+    # split the KV cache by layer or by token, which the page maps do not describe yet.
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
         size = getattr(parallel, name, 1) or 1
         if size != 1:
             raise UnsupportedConfig(
-                f"pd_connector supports {name}=1 only (got {size}); run one instance per GPU "
-                "or use vLLM's NixlConnector for tensor/pipeline parallel P/D"
+                f"pd_connector supports {name}=1 only (got {size}); tensor parallelism is "
+                "supported (any P and D sizes where one divides the other)"
             )
     device = vllm_config.kv_transfer_config.kv_buffer_device
     platform = vllm_config.device_config.device_type
@@ -276,3 +278,14 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         device=str(vllm_config.kv_transfer_config.kv_buffer_device),
         speculative=speculative,
     )
+
+
+def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
+    """This worker's tensor-parallel rank and size (vLLM's TP group exists by the time the
+    worker-side connector is built: Worker.init_device runs first)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pd_connector.core.protocol import PrefillRef
 
 
 # slots: one of these per handoff, built inside vLLM's scheduling step (D's RecvTask: a Struct).
@@ -28,10 +30,7 @@ class RecvTask(msgspec.Struct):
     Never encoded by msgspec (vLLM pickles the metadata), so fields are not validated: the
     scheduler fills them from already decoded ``HandoffParams``."""
 
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
+    prefill: PrefillRef
     # Per group, (P block, D block) pairs: lists of tuples or pairing.BlockPairs (the
     # scheduler's; same sequence behaviour, no tuple per block).
     pairs: list[Sequence[tuple[int, int]]] | None
@@ -43,32 +42,29 @@ class RecvTask(msgspec.Struct):
     corrupt_state: bool = False
 
 
-@dataclass
-class ReleaseTask:
-    """D: tell P it may free a request's blocks now (nothing will be read)."""
+class ReleaseTask(msgspec.Struct, frozen=True):
+    """D's scheduler: tell every rank of P that nothing will be read, and why (P logs it)."""
 
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
+    prefill: PrefillRef
+    reason: str
 
 
-@dataclass
-class ExtendTask:
-    """D: ask P to extend the leases of requests still waiting for admission on D (scheduler) or
-    with a granted claim whose READ is in flight (receiver)."""
+class ExtendTask(msgspec.Struct, frozen=True):
+    """D: ask each rank of one P engine to extend the leases of these requests (still waiting
+    for admission on D, or with a READ in flight)."""
 
-    remote_host: str
-    remote_port: int
-    remote_request_ids: list[str]
+    host: str
+    port: int
+    tp_size: int
+    request_ids: list[str]
 
 
-def extend_tasks(targets) -> list[ExtendTask]:
-    """One ExtendTask per P for ``(remote_host, remote_port, remote_request_id)`` targets."""
-    by_peer: dict[tuple[str, int], list[str]] = {}
-    for host, port, request_id in targets:
-        by_peer.setdefault((host, port), []).append(request_id)
-    return [ExtendTask(host, port, ids) for (host, port), ids in by_peer.items()]
+def extend_tasks(refs: Iterable[PrefillRef]) -> list[ExtendTask]:
+    """One ExtendTask per P engine (side-channel address and TP size)."""
+    by_peer: dict[tuple[str, int, int], list[str]] = {}
+    for ref in refs:
+        by_peer.setdefault((ref.host, ref.port, ref.tp_size), []).append(ref.request_id)
+    return [ExtendTask(host, port, tp, ids) for (host, port, tp), ids in by_peer.items()]
 
 
 @dataclass

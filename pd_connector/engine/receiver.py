@@ -1,19 +1,21 @@
-"""D's load pipeline, one request at a time through: handshake -> claim -> READ -> done.
+"""D's load pipeline on one TP rank: per request, one *leg* per P rank it pairs with
+(``shards.peer_ranks``), each through: connect -> claim -> READ (or release) -> done.
 
-- handshake: once per P engine (side channel, background thread, cached); a failed one fails
-  every request waiting on it and is retried by later requests.
-- claim: P confirms the offset and block ids match its lease and extends it (background
-  thread); refused claims fail the request *before* any byte is read.
-- READ: one prepared NIXL transfer (engine thread). Where the post itself copies (DRAM without
-  UCX worker threads) it goes out in slices of at most ``nixl_read_chunk_mib``, one per
-  ``advance()`` call, so a big READ never holds the engine thread for more than a slice's copy;
-  elsewhere (worker threads, VRAM) in one post. The notification rides on the last slice and
-  tells P to free.
-- optional digest check of the recurrent state after the READ.
+- connect: once per P engine, every paired rank's side channel in one background call; with
+  different TP sizes the shard plan (``shards.shard_regions``) says which bytes each P rank
+  sends. A failed connect fails every request waiting on it; later requests retry.
+- claim: each P rank confirms offset and block ids against its lease and extends it (background
+  thread); a refused claim fails the request before any byte is read.
+- READ: one prepared NIXL transfer per leg (engine thread), sliced where the post itself copies
+  (``NixlTransport.read_plan``); the notification on its last post tells that P rank this reader
+  is done. A P rank this rank reads nothing from (replicated units) is released instead.
+- optional digest check of the recurrent state (equal TP only).
 
-Outcomes are per request: ``finished`` or ``failed`` (the scheduler recomputes failed ones).
-All NIXL calls stay on the engine thread; the background threads only speak ZMQ (the calls to
-P live in ``prefill_calls.py``).
+A request ends when all its legs have: ``finished``, or ``failed`` if any leg failed (the
+scheduler recomputes). A failed request's legs that have not read yet release their P rank at
+once; a leg already reading runs to its end first, so nothing writes into D's blocks once vLLM
+hears the outcome. All NIXL calls stay on the engine thread; the background threads only speak
+ZMQ (``transport/prefill_calls.py``).
 """
 
 from __future__ import annotations
@@ -23,18 +25,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pd_connector.core import shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
-from pd_connector.engine.metadata import ExtendTask, ReleaseTask, RecvTask, extend_tasks
+from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
+from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
-from pd_connector.transport.prefill_calls import PrefillCalls
-from pd_connector.core.protocol import EngineCompat
+from pd_connector.engine.prefill_engines import PrefillEngines
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
+from pd_connector.transport.prefill_calls import ClaimRequest, PrefillCalls
 
 logger = logging.getLogger("vllm.pd_connector")
-
 
 MiB = 1 << 20
 # A post or poll of a READ that holds D's engine thread longer than this is reported
@@ -45,19 +48,24 @@ _SIDE_CHANNEL_THREADS = 4
 
 
 @dataclass
+class _Load:
+    task: RecvTask
+    legs: set[int]  # P ranks whose leg has not ended
+    reader: str
+    readers: int
+    error: tuple[str, str] | None = None  # (why, kind) of the first failed leg
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class _Read:
     xfer: ChunkedRead
-    task: RecvTask
-    started: float  # claim sent
-    read_started: float  # first slice about to be posted
+    rank: int
+    read_started: float
     descriptors: int
     digest: bytes
     nbytes: int
     warned: bool = False  # read_slow reported
-
-
-def _release_of(task: RecvTask) -> ReleaseTask:
-    return ReleaseTask(task.remote_engine_id, task.remote_host, task.remote_port, task.remote_request_id)
 
 
 class Receiver:
@@ -70,18 +78,17 @@ class Receiver:
         state_digest: Callable[[list[list[int]]], bytes] | None,
         corrupt_state: Callable[[list[list[int]]], None] | None = None,
         wake: threading.Event | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         self.transport = transport
         self.settings = settings
+        self.engine_id = engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._state_digest = state_digest
-        self._corrupt_state = corrupt_state
+        self._corrupt_state = corrupt_state  # test-only (engine/faults.py)
         self.recorder = Recorder()
-        # Only where the post itself copies (transport.copies_in_post) is a READ sliced by size;
-        # NixlTransport.read_slices decides.
         self._chunk_bytes = settings.nixl_read_chunk_mib * MiB
-        self._group_page_bytes: dict[int, int] = {}
-        for region in transport.regions:
-            self._group_page_bytes[region.group] = self._group_page_bytes.get(region.group, 0) + region.page_bytes
         # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
         # waits for its grant does not hold up the others.
         self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
@@ -90,11 +97,11 @@ class Receiver:
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
-        self._handshakes: dict[str, Future] = {}
-        self._peer_errors: dict[str, str] = {}
-        self._waiting: dict[str, RecvTask] = {}
-        self._claims: dict[str, tuple[RecvTask, Future, float]] = {}
-        self._reads: dict[str, _Read] = {}
+        self._peers = PrefillEngines(transport, self._calls, self._submit, tp_rank, tp_size, self.recorder)
+        self._loads: dict[str, _Load] = {}
+        self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
+        self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
+        self._reads: dict[tuple[str, int], _Read] = {}
         self._last_extend = time.monotonic()
         # The shortest lease a P has granted: P extends by its own lease_seconds, which can be
         # shorter than this instance's, so the extension cadence follows the shorter one.
@@ -105,49 +112,52 @@ class Receiver:
     # -- inputs from the scheduler -----------------------------------------------------------
 
     def add(self, request_id: str, task: RecvTask) -> None:
-        if task.pairs is None:
-            self._fail(request_id, "P's blocks could not be paired with this instance's", "pairing")
+        p = task.prefill.tp_size
+        try:
+            ranks = shards.peer_ranks(p, self.tp_size, self.tp_rank)
+        except shards.ShardError as exc:
+            self._refuse(request_id, task, str(exc), "tp_mismatch")
             return
-        self._waiting[request_id] = task
-        key = task.remote_engine_id
-        if not self.transport.has_peer(key) and key not in self._handshakes:
-            self._handshakes[key] = self._submit(self._calls.handshake, task)
+        if task.pairs is None:
+            self._refuse(request_id, task, "P's blocks could not be paired with this instance's", "pairing")
+            return
+        self._loads[request_id] = _Load(
+            task,
+            set(ranks),
+            reader=f"{self.engine_id}#{self.tp_rank}/{request_id}",
+            readers=shards.readers_per_rank(p, self.tp_size),
+        )
+        self._waiting.extend((request_id, rank) for rank in ranks)
+        self._peers.connect(task.prefill)
 
-    def release(self, task: ReleaseTask) -> None:
-        self._executor.submit(self._calls.release, task)
+    def release_all(self, task: ReleaseTask) -> None:
+        """D's scheduler will not load this handoff: every P rank may free it (each D rank sends
+        it to the P ranks it pairs with, so every P rank hears it)."""
+        try:
+            ranks = shards.peer_ranks(task.prefill.tp_size, self.tp_size, self.tp_rank)
+        except shards.ShardError:
+            ranks = range(task.prefill.tp_size) if self.tp_rank == 0 else ()
+        for rank in ranks:
+            self._executor.submit(self._calls.release, task.prefill, rank, task.reason)
 
     def extend(self, task: ExtendTask) -> None:
-        self._executor.submit(self._calls.extend, task)
+        """Extend on the P ranks this rank pairs with (each D rank covers its own)."""
+        try:
+            ranks = shards.peer_ranks(task.tp_size, self.tp_size, self.tp_rank)
+        except shards.ShardError:
+            return
+        for rank in ranks:
+            self._executor.submit(self._calls.extend, task.host, task.port + rank, task.request_ids)
 
     # -- progress ---------------------------------------------------------------------------
 
     def advance(self) -> None:
         """Move every request as far along as it can go now; never blocks."""
-        self._connect_peers()
+        self._peers.finish_connects()
         self._start_claims()
         self._start_reads()
         self._poll_reads()
         self._extend_in_flight()
-
-    def _extend_in_flight(self) -> None:
-        """Every ``leases.extension_interval`` of the shortest lease granted, ask each P to
-        extend the leases of this instance's READs in flight. The claim extends a lease once; a
-        READ that outlives it would otherwise copy blocks P has freed and reused (a stalled READ
-        cannot be cancelled, see ``_report_slow_read``).
-
-        Only granted claims: before the grant the claim itself is the lease check (P refuses an
-        expired lease and D recomputes) and extends it when granting, and the address it goes to
-        has not answered yet. Regression: extending requests whose claim or handshake was still
-        in flight sent extensions to an unreachable side channel too, each holding one of the
-        few side-channel threads for ``handshake_timeout_seconds``. The scheduler extends the
-        requests still waiting for admission (``SchedulerHalf._due_extensions``)."""
-        now = time.monotonic()
-        if now - self._last_extend < extension_interval(self._shortest_lease):
-            return
-        self._last_extend = now
-        tasks = (read.task for read in self._reads.values())
-        for extension in extend_tasks((t.remote_host, t.remote_port, t.remote_request_id) for t in tasks):
-            self.extend(extension)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished, set(self.failed)
@@ -155,90 +165,114 @@ class Receiver:
         return finished, failed
 
     def pending(self) -> int:
-        return len(self._waiting) + len(self._claims) + len(self._reads)
+        return len(self._loads)
 
     def reading(self) -> bool:
         """A READ is in flight: the engine thread must keep polling (and posting slices)."""
         return bool(self._reads)
 
-    def _submit(self, fn, task: RecvTask) -> Future:
-        future = self._executor.submit(fn, task)
+    def _submit(self, fn, *args) -> Future:
+        future = self._executor.submit(fn, *args)
         if self._wake is not None:
             future.add_done_callback(lambda _: self._wake.set())
         return future
 
+    def _extend_in_flight(self) -> None:
+        """Every ``leases.extension_interval`` of the shortest lease granted, ask the P ranks of
+        this rank's READs in flight to extend their leases: a READ that outlived the lease would
+        copy blocks P has freed and reused (a stalled READ cannot be cancelled). Only granted
+        claims: before the grant the claim itself is the lease check and extends it when
+        granting. The scheduler extends the requests still waiting for admission."""
+        now = time.monotonic()
+        if now - self._last_extend < extension_interval(self._shortest_lease):
+            return
+        self._last_extend = now
+        refs = {self._loads[rid].task.prefill for rid, _ in self._reads}
+        for extension in extend_tasks(refs):
+            self.extend(extension)
+
     # -- stages -----------------------------------------------------------------------------
 
-    def _connect_peers(self) -> None:
-        for key, future in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[key]
-            try:
-                welcome, seconds = future.result()
-                self.transport.add_peer(
-                    key, welcome.agent_metadata, welcome.regions, agent_name=welcome.agent_name
-                )
-                # Connect now, while this request's claim is in flight, not in its first READ.
-                self.transport.connect(key)
-                self.recorder.observe("handshake_seconds", seconds)
-                self._peer_errors.pop(key, None)
-                logger.info("pd_connector: connected to prefill engine %s", key)
-            except Exception as exc:
-                self._peer_errors[key] = str(exc)
-                logger.warning("pd_connector: handshake with prefill engine %s failed: %s", key, exc)
-
     def _start_claims(self) -> None:
-        for request_id, task in list(self._waiting.items()):
-            key = task.remote_engine_id
-            if key in self._peer_errors:
-                del self._waiting[request_id]
-                self._fail(request_id, f"handshake failed: {self._peer_errors[key]}", "handshake")
-            elif self.transport.has_peer(key):
-                del self._waiting[request_id]
+        still = []
+        for leg in self._waiting:
+            request_id, rank = leg
+            load = self._loads[request_id]
+            key = load.task.prefill.engine_id
+            error = self._peers.errors.get(key)
+            if load.error is not None:
+                self._end_leg(leg, release=True)
+            elif error is not None:
+                # A P that never answered cannot hear a release either (it frees at expiry).
+                self._end_leg(leg, error, release="no answer from" not in error[0])
+            elif key in self._peers.engines:
+                task = load.task
+                request = ClaimRequest(
+                    task.prefill, rank, task.replay_offset, task.remote_block_ids or [], load.reader, load.readers
+                )
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()
-                self._claims[request_id] = (task, self._submit(self._calls.claim, task), sent)
-        if self._peer_errors and not self._waiting and not self._handshakes:
-            # A later request retries a peer that failed (it may have restarted).
-            self._peer_errors.clear()
+                self._claims[leg] = (self._submit(self._calls.claim, request), sent)
+            else:
+                self._peers.connect(load.task.prefill)  # a no-op unless dropped (restarted P)
+                still.append(leg)
+        self._waiting = still
+        if not self._waiting:
+            self._peers.forget_errors()
 
     def _start_reads(self) -> None:
-        for request_id, (task, future, started) in list(self._claims.items()):
+        for leg, (future, sent) in list(self._claims.items()):
             if not future.done():
                 continue
-            del self._claims[request_id]
+            del self._claims[leg]
+            request_id, rank = leg
+            load = self._loads[request_id]
             try:
                 granted, answered = future.result()
             except Exception as exc:
-                self._fail(request_id, str(exc), "claim")
+                self._end_leg(leg, (str(exc), "claim"), release=True)
                 continue
-            self.recorder.observe("claim_seconds", answered - started)
+            self.recorder.observe("claim_seconds", answered - sent)
             if granted.lease_seconds > 0:
                 self._shortest_lease = min(self._shortest_lease, granted.lease_seconds)
-            try:
-                local_idx, remote_idx = self.transport.plan(task.remote_engine_id, task.pairs)
-                if local_idx.size == 0:
-                    # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
-                    self.release(_release_of(task))
-                    self.finished.add(request_id)
-                    continue
-                key = task.remote_engine_id
-                bounds = self.transport.read_slices(key, local_idx, remote_idx, self._chunk_bytes)
-                xfer = ChunkedRead(self.transport, key, local_idx, remote_idx, task.remote_request_id.encode(), bounds)
-                runs = self.transport.count_runs(key, local_idx, remote_idx)
-            except Exception as exc:
-                self._fail(request_id, str(exc), "post")
-                self.release(_release_of(task))  # nothing will be read: P may free now
+            key = load.task.prefill.engine_id
+            engine = self._peers.engines.get(key)
+            if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):
+                # P restarted under the same engine id since we connected: connect again, then
+                # claim again (idempotent: same reader).
+                logger.info("pd_connector: prefill engine %s restarted; connecting again", key)
+                self._peers.drop(key)
+                self._waiting.append(leg)
                 continue
-            nbytes = sum(len(pairs) * self._group_page_bytes.get(g, 0) for g, pairs in enumerate(task.pairs))
-            self._reads[request_id] = _Read(xfer, task, started, time.monotonic(), runs, granted.state_digest, nbytes)
+            if load.error is not None:
+                self._end_leg(leg, release=True)
+                continue
+            self._post(leg, load, engine.sources.get(rank), granted.state_digest)
+
+    def _post(self, leg: tuple[str, int], load: _Load, peer: str | None, digest: bytes) -> None:
+        if peer is None:
+            self._end_leg(leg, release=True, reason="nothing to read from this rank")
+            return
+        try:
+            plan = self.transport.read_plan(peer, load.task.pairs, self._chunk_bytes)
+            if plan.empty:
+                # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
+                self._end_leg(leg, release=True, reason="nothing to read")
+                return
+            done = ReadDone(load.task.prefill.request_id, load.reader, load.readers)
+            xfer = ChunkedRead(self.transport, peer, plan, encode_read_done(done))
+        except Exception as exc:
+            self._end_leg(leg, (str(exc), "post"), release=True)  # nothing will be read
+            return
+        if load.task.prefill.tp_size != self.tp_size:
+            digest = b""  # P's pages hold another shard than ours
+        self._reads[leg] = _Read(xfer, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes)
 
     def _poll_reads(self) -> None:
         # At most one slice posted per call where the post copies (DRAM without worker
         # threads), oldest request first; otherwise every READ posts at once.
         budget = 1
-        for request_id, read in list(self._reads.items()):
+        for leg, read in list(self._reads.items()):
             may_post = not (self.transport.copies_in_post and self._chunk_bytes) or budget > 0
             posted = read.xfer.next
             called = time.monotonic()
@@ -246,58 +280,84 @@ class Receiver:
             now = time.monotonic()
             budget -= read.xfer.next - posted
             if now - called > SLOW_NIXL_CALL_S:
-                self._report_slow_call(request_id, read, now - called)
+                self._report_slow_call(leg, read, now - called)
             if state == PENDING:
                 if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
                     read.warned = True
-                    self._report_slow_read(request_id, read, now - read.read_started)
+                    self._report_slow_read(leg, read, now - read.read_started)
                 continue
-            del self._reads[request_id]
-            if read.task.corrupt_state and self._corrupt_state is not None:
-                self._corrupt_state([[d for _, d in g] for g in read.task.pairs])
+            del self._reads[leg]
+            load = self._loads[leg[0]]
+            own_blocks = [[d for _, d in g] for g in load.task.pairs]
+            if load.task.corrupt_state and self._corrupt_state is not None:
+                self._corrupt_state(own_blocks)
             if state == FAILED:
-                self._fail(request_id, read.xfer.error, read.xfer.error_kind)
-                self.release(_release_of(read.task))  # no completion notification will come
-            elif read.digest and self._state_digest is not None and (
-                self._state_digest([[d for _, d in g] for g in read.task.pairs]) != read.digest
-            ):
-                self._fail(request_id, "the recurrent state read differs from P's digest", "digest")
-            else:
-                self.finished.add(request_id)
-                now = time.monotonic()
-                self.recorder.observe("transfer_seconds", now - read.started)
-                self.recorder.observe("read_seconds", now - read.read_started)
-                self.recorder.observe("transfer_bytes", read.nbytes)
-                self.recorder.observe("descriptors", read.descriptors)
-                logger.debug(
-                    "pd_connector: %s: %d descriptors in %.2f ms",
-                    request_id,
-                    read.descriptors,
-                    (now - read.started) * 1e3,
-                )
+                # No completion notification will come: release.
+                self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)
+                continue
+            if read.digest and self._state_digest is not None and self._state_digest(own_blocks) != read.digest:
+                self._end_leg(leg, ("the recurrent state read differs from P's digest", "digest"))
+                continue
+            self.recorder.observe("read_seconds", now - read.read_started)
+            self.recorder.observe("transfer_bytes", read.nbytes)
+            self.recorder.observe("descriptors", read.descriptors)
+            self._end_leg(leg)
 
-    def _report_slow_call(self, request_id: str, read: _Read, seconds: float) -> None:
+    def _end_leg(
+        self, leg: tuple[str, int], error: tuple[str, str] | None = None, release: bool = False, reason: str = ""
+    ) -> None:
+        """One leg is over (READ done, failed or never to start); the request ends with its
+        last leg. ``release``: tell that P rank this reader is done without a notification."""
+        request_id, rank = leg
+        load = self._loads[request_id]
+        if error is not None and load.error is None:
+            load.error = error
+        if release:
+            why = reason or (f"decode load failed: {load.error[0]}" if load.error else "not read")
+            self._executor.submit(
+                self._calls.release, load.task.prefill, rank, why, load.reader, load.readers
+            )
+        load.legs.discard(rank)
+        if load.legs:
+            return
+        del self._loads[request_id]
+        if load.error is not None:
+            self._fail(request_id, *load.error)
+            return
+        self.finished.add(request_id)
+        now = time.monotonic()
+        self.recorder.observe("transfer_seconds", now - load.started)
+        logger.debug("pd_connector: %s loaded in %.2f ms", request_id, (now - load.started) * 1e3)
+
+    def _refuse(self, request_id: str, task: RecvTask, why: str, kind: str) -> None:
+        """Fail a request before any leg started, and let every P rank free it."""
+        self._fail(request_id, why, kind)
+        self.release_all(ReleaseTask(task.prefill, f"decode refused the load ({kind}): {why}"))
+
+    def _report_slow_call(self, leg, read: _Read, seconds: float) -> None:
         # The engine thread itself was held: every request on this instance waited.
         self.recorder.count("nixl_call_slow")
         logger.warning(
-            "pd_connector: a NIXL call for %s (READ from %s, slice %d of %d) held the engine "
-            "thread for %.2f s (nixl_num_threads=%d; see docs/operations.md, \"Slow READs\")",
-            request_id,
-            read.task.remote_engine_id,
+            "pd_connector: a NIXL call for %s (READ from rank %d of %s, slice %d of %d) held the "
+            "engine thread for %.2f s (nixl_num_threads=%d; see docs/operations.md, \"Slow READs\")",
+            leg[0],
+            read.rank,
+            self._loads[leg[0]].task.prefill.engine_id,
             read.xfer.next,
             read.xfer.slices,
             seconds,
             self.settings.nixl_num_threads,
         )
 
-    def _report_slow_read(self, request_id: str, read: _Read, seconds: float) -> None:
+    def _report_slow_read(self, leg, read: _Read, seconds: float) -> None:
         self.recorder.count("read_slow")
         logger.warning(
-            "pd_connector: READ for %s from %s still in flight after %.1f s (%d descriptors, "
-            "%d of %d slices posted, nixl_num_threads=%d); still waiting, a posted READ cannot "
-            "be cancelled safely (see docs/operations.md, \"Slow READs\")",
-            request_id,
-            read.task.remote_engine_id,
+            "pd_connector: READ for %s from rank %d of %s still in flight after %.1f s (%d "
+            "descriptors, %d of %d slices posted, nixl_num_threads=%d); still waiting, a posted "
+            "READ cannot be cancelled safely (see docs/operations.md, \"Slow READs\")",
+            leg[0],
+            read.rank,
+            self._loads[leg[0]].task.prefill.engine_id,
             seconds,
             read.descriptors,
             read.xfer.next,

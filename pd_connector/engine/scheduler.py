@@ -16,23 +16,19 @@ pairing maps P's blocks onto D's and the worker reads them.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.core import handoff
+import msgspec
 
-from pd_connector.core import pairing
+from pd_connector.core import handoff, pairing
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.engine.metrics import Recorder
 from pd_connector.core.leases import extension_interval
-from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
-from pd_connector.core.protocol import (
-    KEY_MIN_RECOMPUTE,
-    encode_handoff_params,
-    release_target,
-)
+from pd_connector.core.protocol import KEY_MIN_RECOMPUTE, PrefillRef, encode_handoff_params, release_target
 from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
+from pd_connector.engine.faults import Faults
+from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
+from pd_connector.engine.metrics import Recorder
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,13 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector")
 
-# Test-only fault injection (PD_CONNECTOR_FAULT_INJECTION=1 on D): a request whose params carry
-# this key resumes that many tokens away from P's offset while still claiming P's real lease,
-# i.e. the silent desync of vLLM's implicit rule. The e2e negative controls use it to prove the
-# output oracle would catch a one-token desync; never enable it in production.
-FAULT_RESUME_SHIFT = "_pd_fault_resume_shift"
-# Likewise: D flips a byte of the recurrent state it received, as a corrupted transfer would.
-FAULT_CORRUPT_STATE = "_pd_fault_corrupt_state"
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
@@ -60,6 +49,17 @@ def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
     return [block.block_id for block in blocks]
 
 
+class Admitted(msgspec.Struct):
+    """A handoff D admitted this step, paired at the step's end (``_pair_admitted``)."""
+
+    request_id: str
+    decision: handoff.Accepted
+    tables: Any  # D's KVCacheBlock lists per transfer group
+    num_external_tokens: int
+    num_prompt_tokens: int
+    corrupt_state: bool
+
+
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
@@ -69,7 +69,9 @@ class SchedulerHalf:
         self._all_groups_transfer = self.group_ids == tuple(range(len(kv_cache_config.kv_cache_groups)))
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
-        self._fault_injection = os.environ.get("PD_CONNECTOR_FAULT_INJECTION") == "1"
+        self._faults = Faults()
+        # This engine's TP size: P sends it in kv_transfer_params; D logs and counts the pair.
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
         # P: the offset chosen for each request in flight. Kept here, not in the request's
@@ -79,9 +81,8 @@ class SchedulerHalf:
         self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
         self._to_release: list[ReleaseTask] = []
-        # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta):
-        # (request id, decision, D's block tables, tokens to load, prompt length, corrupt flag).
-        self._to_pair: list[tuple[str, handoff.Accepted, Any, int, int, bool]] = []
+        # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta).
+        self._to_pair: list[Admitted] = []
         self._last_extend = time.monotonic()
         # D: prefill engines a handoff was accepted from (one INFO line each).
         self._peers_seen: set[str] = set()
@@ -132,10 +133,7 @@ class SchedulerHalf:
         if not self._decisions or now - self._last_extend < extension_interval(self.settings.lease_seconds):
             return []
         self._last_extend = now
-        return extend_tasks(
-            (d.params.remote_host, d.params.remote_port, d.params.remote_request_id)
-            for d in self._decisions.values()
-        )
+        return extend_tasks(d.params.prefill for d in self._decisions.values())
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -218,6 +216,7 @@ class SchedulerHalf:
             request_id=request.request_id,
             host=self.settings.side_channel_host,
             port=self.settings.side_channel_port,
+            tp_size=self._tp_size,
         )
 
     # -- D ---------------------------------------------------------------------------------
@@ -234,15 +233,15 @@ class SchedulerHalf:
                 decision.kind,
                 decision.reason,
             )
-            target = decision.params if decision.params is not None else release_target(params)
+            target = decision.params.prefill if decision.params is not None else release_target(params)
             if target is not None:
-                self._queue_release(target)
+                self._queue_release(target, f"refused ({decision.kind})")
             return
         if decision.offset == 0:
             self.recorder.count("handoff_empty")
             return
-        shift = params.get(FAULT_RESUME_SHIFT) if self._fault_injection else None
-        if isinstance(shift, int) and 0 < decision.offset + shift < request.num_prompt_tokens:
+        shift = self._faults.resume_shift(params)
+        if shift and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         self._decisions[request.request_id] = decision
@@ -260,10 +259,10 @@ class SchedulerHalf:
         logger.info(
             "pd_connector: request %s was rejected before reaching the engine; %s",
             request.request_id,
-            f"releasing {target.remote_request_id} on P" if target else "no prefill lease to release",
+            f"releasing {target.request_id} on P" if target else "no prefill lease to release",
         )
         if target is not None:
-            self._queue_release(target)
+            self._queue_release(target, "rejected before reaching the engine")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         decision = self._decisions.get(request.request_id)
@@ -285,9 +284,9 @@ class SchedulerHalf:
         tables = blocks.blocks
         if not self._all_groups_transfer:
             tables = tuple(tables[g] for g in self.group_ids)
-        corrupt = self._fault_injection and request.kv_transfer_params.get(FAULT_CORRUPT_STATE) is True
+        corrupt = self._faults.corrupts_state(request.kv_transfer_params)
         self._to_pair.append(
-            (request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, corrupt)
+            Admitted(request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, corrupt)
         )
 
     def _pair_admitted(self) -> None:
@@ -302,13 +301,16 @@ class SchedulerHalf:
         inside schedule().
         """
         tails = []
-        for request_id, decision, tables, num_external_tokens, num_prompt_tokens, corrupt in self._to_pair:
+        tp_pairs: dict[str, int] = {}
+        for admitted in self._to_pair:
+            request_id, decision = admitted.request_id, admitted.decision
+            num_external_tokens = admitted.num_external_tokens
             params = decision.params
             try:
                 pairs = pairing.pair_block_lists(
                     self.layouts,
                     params.remote_block_ids,
-                    tables,
+                    admitted.tables,
                     decision.offset,
                     decision.offset - num_external_tokens,  # D's own (block-aligned) prefix hit
                     block_ids=_vllm_block_ids,
@@ -323,18 +325,17 @@ class SchedulerHalf:
                 self.recorder.count("refused:pairing")
                 pairs = None
             self._to_recv[request_id] = RecvTask(
-                remote_engine_id=params.remote_engine_id,
-                remote_host=params.remote_host,
-                remote_port=params.remote_port,
-                remote_request_id=params.remote_request_id,
+                prefill=params.prefill,
                 pairs=pairs,
                 num_tokens=num_external_tokens,
                 replay_offset=params.replay_offset,
                 remote_block_ids=params.remote_block_ids,
-                corrupt_state=corrupt,
+                corrupt_state=admitted.corrupt_state,
             )
-            recompute = num_prompt_tokens - decision.offset
+            recompute = admitted.num_prompt_tokens - decision.offset
             tails.append(recompute)
+            pair = f"{params.tp_size}->{self._tp_size}"
+            tp_pairs[pair] = tp_pairs.get(pair, 0) + 1
             # Per request at DEBUG only: formatting an INFO record on every handoff was the
             # largest cost of this path (pd_connector.dev.benchmarks.scheduler). The figures are in
             # the vllm:pd_recompute_tokens histogram and vllm:pd_events_total; operators get one
@@ -344,11 +345,12 @@ class SchedulerHalf:
                 self._peers_seen.add(params.remote_engine_id)
                 logger.log(
                     logging.INFO if first else logging.DEBUG,
-                    "pd_connector: request %s: loading %d token(s) from %s, replay_offset=%d, "
+                    "pd_connector: request %s: loading %d token(s) from %s (TP %s), replay_offset=%d, "
                     "recomputing %d token(s)%s",
                     request_id,
                     num_external_tokens,
                     params.remote_engine_id,
+                    pair,
                     decision.offset,
                     recompute,
                     " (first handoff from this prefill engine; the next ones are logged at DEBUG)"
@@ -357,18 +359,13 @@ class SchedulerHalf:
                 )
         self._to_pair = []
         self.recorder.count("handoff_accepted", len(tails))
+        for pair, count in tp_pairs.items():
+            self.recorder.count(f"handoff_tp:{pair}", count)
         self.recorder.observe_all("recompute_tokens", tails)
 
     def _release(self, decision: handoff.Accepted, why: str) -> None:
         logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
-        self._queue_release(decision.params)
+        self._queue_release(decision.params.prefill, why)
 
-    def _queue_release(self, params) -> None:
-        self._to_release.append(
-            ReleaseTask(
-                remote_engine_id=params.remote_engine_id,
-                remote_host=params.remote_host,
-                remote_port=params.remote_port,
-                remote_request_id=params.remote_request_id,
-            )
-        )
+    def _queue_release(self, prefill: PrefillRef, why: str) -> None:
+        self._to_release.append(ReleaseTask(prefill, why))

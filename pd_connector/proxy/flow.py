@@ -2,7 +2,7 @@
 connection error, timeout or 5xx), then decode on a D with P's ``kv_transfer_params`` (sent once
 to another D, without them, when the first fails before answering). Independently of both, a
 request that hits a pooled keep-alive connection the upstream has just closed is sent once more to
-the same upstream on a new connection (``proxy_relay.UpstreamClient``).
+the same upstream on a new connection (``relay.UpstreamClient``).
 
 Flow per request (the same steps as vLLM's toy proxy, which works with the NIXL connector on
 0.32.0):

@@ -5,7 +5,7 @@ keep-alive connection turns out to be closed); ``prefill_once`` posts one prefil
 JSON; ``relay_stream`` copies D's streamed answer to the client. Failures become
 ``UpstreamError`` (P or D did not answer usefully: the caller may retry elsewhere) or
 ``UpstreamRejected`` (P answered 4xx: the client's request is at fault and goes back as is).
-Which upstream to use, and whether to retry elsewhere, is ``proxy_flow``'s business.
+Which upstream to use, and whether to retry elsewhere, is ``flow``'s business.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ class Pool:
             raise ValueError(f"need at least one {role} URL")
         unique = list(dict.fromkeys(urls))
         if len(unique) != len(urls):
-            # Listing a URL twice used to double its round-robin share; an instance is one
-            # upstream now (its load and health are per instance), so duplicates are dropped.
+            # An instance is one upstream (its load and health are per instance): a URL listed
+            # twice would otherwise get a double round-robin share.
             logger.warning("%s URLs listed more than once, using each once: %s", role, unique)
         self.role, self.policy, self.recover_after_s = role, policy, recover_after_s
         self.upstreams = [Upstream(role, u) for u in unique]

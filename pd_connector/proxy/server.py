@@ -3,12 +3,12 @@ aiohttp app, its endpoints and ``run_proxy``.
 
 The modules behind it, one concern each:
 
-- ``proxy_bodies``: what P and D are sent (pure);
-- ``proxy_relay``: one HTTP exchange with one upstream, and its failures;
-- ``proxy_flow``: one client request, prefill with retries then decode with fallback;
+- ``bodies``: what P and D are sent (pure);
+- ``relay``: one HTTP exchange with one upstream, and its failures;
+- ``flow``: one client request, prefill with retries then decode with fallback;
 - ``routing``: upstream pools, selection policy, health state and the proxy's own metrics.
 
-Besides the OpenAI routes (``proxy_bodies.ROUTES``) the app serves ``/health`` (each upstream's
+Besides the OpenAI routes (``bodies.ROUTES``) the app serves ``/health`` (each upstream's
 state; 503 when a whole pool is down), ``/v1/models`` (a decode instance's list) and
 ``/metrics`` (Prometheus text, ``pd_proxy_*``).
 """

@@ -19,7 +19,7 @@ from pd_connector.core import layout
 
 from pd_connector.core import read_plan
 from pd_connector.core.protocol import LayerRegion
-from pd_connector.transport.backends import import_nixl
+from pd_connector.transport.backends import backend_params, import_nixl
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -30,12 +30,6 @@ DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
 
 _AGENT_CREATION = threading.Lock()
 
-# With n worker threads, a READ's runs are cut into pieces of at most 1/(8n) of its bytes (or
-# its median run), so that NIXL's split by descriptor count (read_plan.cut_long_runs) leaves each
-# thread within about 1/8 of an equal share; not below 256 KiB, where a descriptor's own cost
-# (2-4 µs over cma, `bench transfer --sections perdesc`) would reach ~5% of its copy.
-RUN_PIECES_PER_THREAD = 8
-MIN_RUN_PIECE_BYTES = 256 << 10
 
 
 class _DelayedProgressBind:
@@ -73,41 +67,19 @@ def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
             api.nixlBind = bind
 
 
-def backend_params(backend: str, num_threads: int, ucx_error_handling: str = "peer") -> dict[str, str]:
-    """Init parameters for one NIXL backend with ``num_threads`` worker threads (0: none)
-    and, for UCX, the endpoints' error-handling mode (NIXL's own default, ``peer``, is left
-    implicit).
-
-    UCX with threads runs ``nixlUcxThreadPoolEngine`` (NIXL plugins/ucx/ucx_backend.cpp): a
-    transfer of at least ``split_batch_size`` descriptors goes out in chunks of
-    ``max(descriptors / threads, split_batch_size)``, each posted and progressed by a worker
-    thread with its own UCX worker; a smaller one is posted by the caller, which over DRAM
-    copies inside the post (cma). With NIXL's default size, READs of up to ~1k descriptors
-    stayed on D's engine thread and a 2-thread pool copied a 2k-descriptor READ on one thread.
-    1 splits every READ evenly over the threads: the post returns in well under a millisecond
-    and the copies run side by side (scattered 128 KiB pages on the 2-core box: 6-7 GB/s with 2
-    threads, 4.5 with none, against 4.8-5.1 for one descriptor; docs/operations.md, "Worker
-    threads")."""
-    params: dict[str, str] = {}
-    if backend == "UCX":
-        if num_threads > 0:
-            params.update(num_threads=str(num_threads), split_batch_size="1")
-        if ucx_error_handling != "peer":
-            params["ucx_error_handling_mode"] = ucx_error_handling
-    elif backend in ("LIBFABRIC", "OBJ") and num_threads > 0:  # as nixl_agent.__init__ passes it
-        params["num_threads"] = str(num_threads)
-    return params
 
 
 class _Peer:
-    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist")
+    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist", "shard")
 
-    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist):
+    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist, shard: bool):
         self.agent_name = agent_name
         self.dlist = dlist
         self.rows = rows
         self.local_rows = local_rows
         self.local_dlist = local_dlist
+        # A TP shard plan: this peer may hold nothing of some groups (others send those).
+        self.shard = shard
 
 
 class NixlTransport:
@@ -200,9 +172,16 @@ class NixlTransport:
         regions: Sequence[LayerRegion],
         device_id: int = 0,
         agent_name: str = "",
+        local_regions: Sequence[LayerRegion] | None = None,
     ) -> None:
-        """Load a remote agent and prepare its descriptor list (once per peer)."""
-        local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        """Load a remote agent and prepare its descriptor list (once per peer). With
+        ``local_regions`` the two page maps are already matched one to one (a TP shard plan,
+        ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``)."""
+        local_regions_given = local_regions is not None
+        if local_regions is None:
+            local_regions, regions = layout.reconcile_regions(self._regions, regions)
+        else:
+            local_regions, regions = tuple(local_regions), tuple(regions)
         # A kv_both instance may hand a request to itself (a router that lists one instance in
         # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
         # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
@@ -213,7 +192,7 @@ class NixlTransport:
         local_rows, local_dlist = self._local_list(packed, local_regions)
         rows = layout.descriptor_rows(regions, packed)
         dlist = self._agent.prep_xfer_dlist(agent_name, rows.strided(device_id), self.mem_type)
-        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist)
+        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist, shard=local_regions_given)
 
     def connect(self, key: str) -> None:
         """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
@@ -246,10 +225,12 @@ class NixlTransport:
         with several worker threads, long runs cut so that each thread gets a share
         (``read_plan.cut_long_runs``)."""
         peer = self._peers[key]
+        if peer.shard:
+            pairs = [g if i in peer.local_rows.rows_of_group else () for i, g in enumerate(pairs)]
         local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
         return read_plan.cut_long_runs(
-            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, RUN_PIECES_PER_THREAD,
-            MIN_RUN_PIECE_BYTES,
+            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, read_plan.RUN_PIECES_PER_THREAD,
+            read_plan.MIN_RUN_PIECE_BYTES,
         )
 
     def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
@@ -260,6 +241,19 @@ class NixlTransport:
         if self.copies_in_post:
             return read_plan.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
         return read_plan.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
+
+    def read_plan(self, key: str, pairs: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> read_plan.ReadPlan:
+        """Everything about one READ from ``key`` for per-group (remote, local) block pairs,
+        computed once: indices, slices, runs, bytes."""
+        local_idx, remote_idx = self.plan(key, pairs)
+        peer = self._peers[key]
+        return read_plan.ReadPlan(
+            local_idx,
+            remote_idx,
+            self.read_slices(key, local_idx, remote_idx, chunk_bytes) if local_idx.size else [],
+            layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows),
+            int(peer.local_rows.nbytes_of(local_idx).sum()),
+        )
 
     def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
         """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
@@ -339,10 +333,10 @@ class ChunkedRead:
     on the engine thread, and NIXL's own worker threads do the copying.
     """
 
-    def __init__(self, transport: NixlTransport, key: str, local_idx, remote_idx, notif: bytes, bounds):
+    def __init__(self, transport: NixlTransport, key: str, plan: read_plan.ReadPlan, notif: bytes):
         self.transport, self.key, self.notif = transport, key, notif
-        self.local_idx, self.remote_idx = local_idx, remote_idx
-        self.bounds = list(bounds) or [(0, int(local_idx.size))]
+        self.local_idx, self.remote_idx = plan.local_idx, plan.remote_idx
+        self.bounds = list(plan.bounds) or [(0, int(plan.local_idx.size))]
         self.next = 0  # index of the next slice to post
         self.handle = None
         self.error = ""

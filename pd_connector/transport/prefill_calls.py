@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import time
 
-from pd_connector.transport import side_channel
+import msgspec
+
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.engine.metadata import ExtendTask, ReleaseTask, RecvTask
 from pd_connector.core.protocol import (
+    MAX_CLAIM_PARK_MS,
     Claim,
     EngineCompat,
     Extend,
@@ -19,14 +20,28 @@ from pd_connector.core.protocol import (
     Pending,
     Reject,
     Release,
+    PrefillRef,
     Welcome,
     compat_differences,
 )
+from pd_connector.transport import side_channel
 
 logger = logging.getLogger("vllm.pd_connector")
 
-# Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms).
-CLAIM_PARK_S = 1.0
+# Longest a claim asks P to hold its answer for a lease still on its way (Claim.wait_ms): half
+# of what P allows, so P's answer arrives well inside this call's timeout.
+CLAIM_PARK_S = MAX_CLAIM_PARK_MS / 2000
+
+
+class ClaimRequest(msgspec.Struct, frozen=True):
+    """What D claims from one P rank before reading its share."""
+
+    prefill: PrefillRef
+    rank: int
+    replay_offset: int
+    block_ids: list[list[int]]
+    reader: str
+    readers: int
 
 
 class PrefillCalls:
@@ -36,33 +51,34 @@ class PrefillCalls:
         self.compat = compat
         self._client = side_channel.Client(max_idle_per_peer=max_idle_per_peer)
 
-    def _call(self, task, message):
-        return self._client.call(
-            task.remote_host,
-            task.remote_port,
-            message,
-            self.settings.handshake_timeout_seconds,
-            self.settings.secret,
-        )
+    def _call(self, host: str, port: int, message):
+        return self._client.call(host, port, message, self.settings.handshake_timeout_seconds, self.settings.secret)
 
-    def handshake(self, task: RecvTask) -> tuple[Welcome, float]:
+    def handshake(self, prefill: PrefillRef, rank: int) -> tuple[Welcome, float]:
+        """P rank ``rank``'s Welcome, checked against what the params promised."""
         started = time.monotonic()
-        reply = self._call(task, Hello(engine_id=self.engine_id, compat=self.compat))
+        port = prefill.rank_port(rank)
+        reply = self._call(prefill.host, port, Hello(engine_id=self.engine_id, compat=self.compat))
         if isinstance(reply, Reject):
             raise side_channel.SideChannelError(reply.reason)
         if not isinstance(reply, Welcome):
             raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
-        if reply.engine_id != task.remote_engine_id:
+        if reply.engine_id != prefill.engine_id:
             raise side_channel.SideChannelError(
-                f"{task.remote_host}:{task.remote_port} is engine {reply.engine_id}, not "
-                f"{task.remote_engine_id} named in kv_transfer_params"
+                f"{prefill.host}:{port} is engine {reply.engine_id}, not "
+                f"{prefill.engine_id} named in kv_transfer_params"
+            )
+        if (reply.tp_rank, reply.tp_size) != (rank, prefill.tp_size):
+            raise side_channel.SideChannelError(
+                f"{prefill.host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, not rank "
+                f"{rank} of {prefill.tp_size} as kv_transfer_params say (side_channel_port + rank)"
             )
         diffs = compat_differences(self.compat, reply.compat)
         if diffs:
             raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
         return reply, time.monotonic() - started
 
-    def claim(self, task: RecvTask) -> tuple[Granted, float]:
+    def claim(self, request: ClaimRequest) -> tuple[Granted, float]:
         """P's grant, and when it arrived (``time.monotonic()``)."""
         deadline = time.monotonic() + self.settings.claim_wait_seconds
         delay = 0.005
@@ -73,12 +89,14 @@ class PrefillCalls:
             wait_s = min(CLAIM_PARK_S, deadline - time.monotonic(), self.settings.handshake_timeout_seconds / 2)
             claim = Claim(
                 engine_id=self.engine_id,
-                request_id=task.remote_request_id,
-                replay_offset=task.replay_offset,
-                block_ids=task.remote_block_ids or [],
+                request_id=request.prefill.request_id,
+                replay_offset=request.replay_offset,
+                block_ids=request.block_ids,
                 wait_ms=max(0, int(wait_s * 1000)),
+                reader=request.reader,
+                readers=request.readers,
             )
-            reply = self._call(task, claim)
+            reply = self._call(request.prefill.host, request.prefill.rank_port(request.rank), claim)
             if not isinstance(reply, Pending) or time.monotonic() >= deadline:
                 break
             time.sleep(delay)
@@ -91,18 +109,20 @@ class PrefillCalls:
             raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
         return reply, time.monotonic()
 
-    def release(self, task: ReleaseTask) -> None:
+    def release(self, prefill: PrefillRef, rank: int, reason: str, reader: str = "", readers: int = 1) -> None:
+        """Tell P rank ``rank`` that ``reader`` (none: every reader) will not read ``prefill``."""
+        message = Release(request_ids=[prefill.request_id], reason=reason, reader=reader, readers=readers)
         try:
-            self._call(task, Release(request_ids=[task.remote_request_id]))
+            self._call(prefill.host, prefill.rank_port(rank), message)
         except side_channel.SideChannelError as exc:
             # P frees the blocks at lease expiry anyway.
-            logger.info("pd_connector: release of %s not delivered: %s", task.remote_request_id, exc)
+            logger.info("pd_connector: release of %s not delivered: %s", prefill.request_id, exc)
 
-    def extend(self, task: ExtendTask) -> None:
+    def extend(self, host: str, port: int, request_ids: list[str]) -> None:
         try:
-            self._call(task, Extend(request_ids=task.remote_request_ids))
+            self._call(host, port, Extend(request_ids=request_ids))
         except side_channel.SideChannelError as exc:
-            logger.info("pd_connector: lease extension not delivered to %s:%d: %s", task.remote_host, task.remote_port, exc)
+            logger.info("pd_connector: lease extension not delivered to %s:%d: %s", host, port, exc)
 
     def close(self) -> None:
         self._client.close()

@@ -6,7 +6,7 @@ in both directions, so P and D differ in ``num_speculative_tokens`` while sharin
 (same KV layout). GDN runs only in bf16 on CPU: the margin-aware oracle of spec_matrix, with its
 own negative control here.
 
-Why not a Mamba2 target (measured 2026-11-29, vLLM CPU 0.32.0): with EAGLE or ngram on
+Why not a Mamba2 target (vLLM CPU 0.32.0): with EAGLE or ngram on
 Nemotron-H, *aggregated* serving itself is not deterministic (two identical greedy requests
 differ from the second token on), so there is no reference to compare P/D against; the same
 drafter on this GDN target is deterministic run to run. ngram is not deterministic on either

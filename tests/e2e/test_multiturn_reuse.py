@@ -6,7 +6,7 @@ grid (R = k*B), so D receives the recurrent state exactly where its own cache ma
 it, and D's turn 2 must hit its local prefix cache for the first k*B tokens.
 
 Qwen3-Next (GDN) is the only hybrid whose CPU kernels run prefix caching (the Mamba2 hybrids crash
-in align mode, cpu-recipes 10.3); bf16, so outputs use the margin-aware oracle of
+in align mode, docs/testing.md); bf16, so outputs use the margin-aware oracle of
 spec_matrix.check_bf16. Two kv_both instances: A is P and the aggregated reference, B is D (kept
 free of reference traffic so its cache hits come only from the handoff).
 """

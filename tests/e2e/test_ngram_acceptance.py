@@ -4,12 +4,12 @@ aggregated serving does on the same repetitive prompts (within 5%), and the outp
 What "acceptance" means here: accepted draft tokens, i.e. the decode steps speculation saves.
 The per-draft-token *rate* is printed but not asserted: D proposes exactly one more draft round
 per request than aggregated serving (its first step is the one-token recompute, and vLLM drafts
-after it). vLLM's own NixlConnector shows the same extra round (measured 2026-11-29 on these
+after it). vLLM's own NixlConnector shows the same extra round (on these
 prompts with NixlConnector: 5/15/7/16/3 draft rounds under P/D vs 4/14/6/15/2 aggregated,
 accepted tokens equal), so the difference belongs to vLLM's scheduling of D, not the handoff.
 
 Two kv_both instances running ngram (P and D), on the plain-attention tiny Llama in float32.
-Not on a hybrid: measured 2026-11-29 on vLLM CPU 0.32.0, ngram on both tiny hybrids (Nemotron-H
+Not on a hybrid: on vLLM CPU 0.32.0, ngram on both tiny hybrids (Nemotron-H
 and Qwen3-Next, with or without a KV connector loaded) is not deterministic in aggregated
 serving (two identical greedy requests differ from the second or third token on), so no
 reference exists there; on Llama it is deterministic. P and D are separate instances because a
@@ -31,7 +31,7 @@ from pd_connector.dev.testing.tiny_models import build_model
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 48
-# float32: P/D vs aggregated logprobs differ at ulp level (cpu-recipes 10.5).
+# float32: P/D vs aggregated logprobs differ at ulp level (docs/testing.md).
 TIE_MARGIN = 1e-5
 LOGPROB_TOL = 1e-4
 

@@ -9,14 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.engine.scheduler import FAULT_CORRUPT_STATE, FAULT_RESUME_SHIFT
+from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT
 from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
-# float32 on CPU: P/D vs aggregated logprobs differ by ~5e-7 (cpu-recipes 10.5); a desync moves
+# float32 on CPU: P/D vs aggregated logprobs differ by ~5e-7 (docs/testing.md); a desync moves
 # them by 1e-2 or more. A differing token is a tie only below this reference margin.
 TIE_MARGIN = 1e-5
 LOGPROB_TOL = 1e-4
@@ -46,7 +47,7 @@ def test_pd_matches_aggregated_at_block_boundaries(stack):
         params, got = stack.handoff(prompt, MAX_TOKENS)
         r = params["replay_offset"]
         assert r == max(0, n - 1), f"n={n}: P chose {r}"
-        assert params["pd_protocol_version"] == 1 and params["remote_num_tokens"] == r
+        assert params["pd_protocol_version"] == PROTOCOL_VERSION and params["remote_num_tokens"] == r
         verdict = check(ref, got)
         if not verdict.ok:
             failures.append(f"n={n} R={r}: {verdict.describe()}")
@@ -87,7 +88,7 @@ def test_desynced_offset_is_caught_by_the_oracle(stack):
     for n in lengths:
         prompt = random_prompt(n, seed=3)
         ref = stack.reference(prompt, MAX_TOKENS)
-        params = {**stack.prefill_only(prompt), FAULT_RESUME_SHIFT: -1}
+        params = {**stack.prefill_only(prompt), RESUME_SHIFT: -1}
         caught += not check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} desyncs detected"
 
@@ -100,7 +101,7 @@ def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
     prompt = random_prompt(90, seed=10)
     ref = stack.reference(prompt, MAX_TOKENS)
     before = stack.decode.log_text().count("differs from P's digest")
-    params = {**stack.prefill_only(prompt), FAULT_CORRUPT_STATE: True}
+    params = {**stack.prefill_only(prompt), CORRUPT_STATE: True}
     assert check(ref, stack.decode_with(prompt, params, MAX_TOKENS)).ok
     assert stack.decode.log_text().count("differs from P's digest") == before + 1
 

@@ -5,7 +5,7 @@ Four kv_both instances, one per configuration (spec_matrix.py): every instance i
 reference for its own configuration, and any two form a P/D pair. GDN runs only in bf16 on CPU,
 so outputs are compared with the margin-aware oracle (see TIE_MARGIN) and every oracle has a
 negative control. Prefix caching is off: hybrid + speculative decoding crashes in align mode on
-CPU (cpu-recipes 10.3/10.4); the align-mode offset grid is covered in tests/vllm.
+CPU (docs/testing.md); the align-mode offset grid is covered in tests/vllm.
 """
 
 from __future__ import annotations

@@ -64,3 +64,16 @@ def test_bench_transfer_per_descriptor_section_reports_nixl_and_the_kernel_on_th
     for r in rows:
         assert r["descriptors"] == 4096 and r["nixl_us"] > 0 and r["kernel_us"] > 0
         assert r["nixl_minus_kernel_us"] == pytest.approx(r["nixl_us"] - r["kernel_us"])
+
+
+def test_bench_transfer_tp_reports_each_d_rank_against_raw_nixl(tmp_path, capsys):
+    from pd_connector.dev.benchmarks import transfer_tp
+
+    argv = ["--pairs", "1x2,2x1", "--blocks", "8", "--reps", "1", "--scale", "1", "--head-bytes", "512",
+            "--out", str(tmp_path)]
+    assert transfer_tp.main(argv) == 0
+    rows = json.loads((tmp_path / "transfer_tp.json").read_text())["rows"]
+    # P TP 1 -> D TP 2: each D rank reads from the one P rank; P 2 -> D 1: D reads from both.
+    assert [(r["pair"], r["d_rank"], r["sources"]) for r in rows] == [("1x2", 0, "0"), ("1x2", 1, "0"), ("2x1", 0, "0,1")]
+    assert all(r["MiB"] > 0 and r["connector_ms"] > 0 for r in rows)
+    assert "c/raw" in capsys.readouterr().out

@@ -5,6 +5,8 @@ and the Receiver posts at most one slice per ``advance()`` over DRAM. Real NIXL,
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -14,7 +16,19 @@ import pytest
 from pd_connector.transport import side_channel
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.engine.metadata import RecvTask
-from pd_connector.core.protocol import Claim, EngineCompat, Granted, Hello, Reject, Release, Ack, Welcome
+from pd_connector.core.protocol import (
+    Ack,
+    Claim,
+    EngineCompat,
+    Granted,
+    Hello,
+    PrefillRef,
+    ReadDone,
+    Reject,
+    Release,
+    Welcome,
+    encode_read_done,
+)
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport.nixl import DONE, FAILED, PENDING, ChunkedRead
 
@@ -36,6 +50,11 @@ CASES = {
     "contiguous": [[(1, 3), (2, 4), (3, 5), (4, 6), (5, 7)], [(11, 15)]],
     "two_runs": [[(1, 3), (2, 4), (20, 30), (21, 31), (22, 32)], []],
 }
+
+
+def read_done(rid: str) -> bytes:
+    """The notification D's rank 0 ("d#0") sends P when it has read request ``rid``."""
+    return encode_read_done(ReadDone(f"P-{rid}", f"d#0/{rid}", 1))
 
 
 def load_one(receiver: Receiver, task: RecvTask, pause_s: float = 0.01) -> None:
@@ -122,9 +141,9 @@ def test_block_outer_packed_contiguous_attention_is_one_descriptor_per_block_not
 def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice(engines, chunk_bytes):
     p, d = engines("layer_major_dense")
     pairs = CASES["scattered"]
-    li, ri = d.transport.plan("p", pairs)
-    bounds = d.transport.read_slices("p", li, ri, chunk_bytes)
-    xfer = ChunkedRead(d.transport, "p", li, ri, b"req", bounds)
+    plan = d.transport.read_plan("p", pairs, chunk_bytes)
+    bounds = plan.bounds
+    xfer = ChunkedRead(d.transport, "p", plan, b"req")
     notified_early = False
     deadline = time.monotonic() + TIMEOUT_S
     while (state := xfer.advance()) == PENDING:
@@ -142,9 +161,9 @@ def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice
 
 def test_a_slice_nixl_refuses_fails_the_read_without_notifying(engines):
     p, d = engines("layer_major_dense")
-    li, ri = d.transport.plan("p", CASES["scattered"])
-    bounds = [(0, 2), (2, 2), (2, li.size)]  # an empty slice: NIXL refuses zero descriptors
-    xfer = ChunkedRead(d.transport, "p", li, ri, b"never", bounds)
+    plan = d.transport.read_plan("p", CASES["scattered"], 0)
+    bounds = [(0, 2), (2, 2), (2, plan.local_idx.size)]  # an empty slice: NIXL refuses zero descriptors
+    xfer = ChunkedRead(d.transport, "p", dataclasses.replace(plan, bounds=bounds), b"never")
     deadline = time.monotonic() + TIMEOUT_S
     while (state := xfer.advance()) == PENDING:
         assert time.monotonic() < deadline
@@ -193,9 +212,9 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
     receiver._chunk_bytes = 8192
     if answered == "before_submit_returns":
 
-        def run_inline(fn, task):
+        def run_inline(fn, *args):
             future = Future()
-            future.set_result(fn(task))
+            future.set_result(fn(*args))
             return future
 
         receiver._submit = run_inline
@@ -205,7 +224,7 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
             "r2": [[(10, 20), (11, 21)], [(12, 22)]],
         }
         for rid, pairs in reqs.items():
-            receiver.add(rid, RecvTask("p", "127.0.0.1", free_port, f"P-{rid}", pairs, 16, 15, [[1]]))
+            receiver.add(rid, RecvTask(PrefillRef("p", "127.0.0.1", free_port, f"P-{rid}"), pairs, 16, 15, [[1]]))
         finished: set[str] = set()
         deadline = time.monotonic() + TIMEOUT_S
         while len(finished) < 2:
@@ -225,7 +244,7 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
         union = [[pr for pairs in reqs.values() for pr in pairs[g]] for g in (ATTN, MAMBA)]
         want, _ = expected_after(d, p, union)
         assert_bytes(d, want)
-        assert collect_notifications(p.transport, 2) == {b"P-r1": 1, b"P-r2": 1}
+        assert collect_notifications(p.transport, 2) == {read_done("r1"): 1, read_done("r2"): 1}
         # vllm:pd_transfer_seconds (claim -> done), vllm:pd_claim_seconds (claim -> grant) and
         # vllm:pd_read_seconds (READ alone), one sample per request; claim and READ are
         # disjoint parts of the transfer.
@@ -258,11 +277,11 @@ def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
     wake = threading.Event()
     receiver = Receiver(d.transport, ConnectorSettings(), "d", COMPAT, None, wake=wake)
     try:
-        receiver.add("r1", RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], []], 16, 15, [[1]]))
+        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], []], 16, 15, [[1]]))
         assert wake.wait(TIMEOUT_S), "the handshake reply did not wake the step"
         wake.clear()
         receiver.advance()  # connects and sends the claim
-        assert d.transport.has_peer("p")
+        assert d.transport.has_peer("p#0")
         assert wake.wait(TIMEOUT_S), "the claim grant did not wake the step"
         deadline = time.monotonic() + TIMEOUT_S
         finished: set[str] = set()
@@ -310,7 +329,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
     pairs = [[(1, 3), (7, 9)], [(3, 11)]]
     try:
         with caplog.at_level("WARNING", logger="vllm.pd_connector"):
-            load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", pairs, 16, 15, [[1]]), pause_s=0.005)
+            load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), pairs, 16, 15, [[1]]), pause_s=0.005)
         want, _ = expected_after(d, p, pairs)
         assert_bytes(d, want)
         totals = receiver.recorder.totals
@@ -348,7 +367,7 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
     server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
     receiver = Receiver(d.transport, ConnectorSettings(lease_seconds=0.3), "d", COMPAT, None)
     extended: list[float] = []
-    monkeypatch.setattr(receiver._calls, "extend", lambda task: extended.append(time.monotonic()))
+    monkeypatch.setattr(receiver._calls, "extend", lambda *call: extended.append(time.monotonic()))
     real_state = d.transport.state
     held: list[float] = []
 
@@ -359,7 +378,7 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
 
     monkeypatch.setattr(d.transport, "state", state)
     try:
-        load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
+        load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
         time.sleep(0.1)  # extensions still queued on the side-channel threads run
         assert granted_at and not [at for at in extended if at < granted_at[0]]
         assert len(extended) >= 3  # ...and the READ itself is still kept alive
@@ -401,7 +420,7 @@ def test_a_read_outliving_its_lease_keeps_asking_p_to_extend_it(engines, free_po
     release_at = time.monotonic() + 1.5
     monkeypatch.setattr(d.transport, "state", lambda h: PENDING if time.monotonic() < release_at else real_state(h))
     try:
-        load_one(receiver, RecvTask("p", "127.0.0.1", free_port, "P-r1", [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
+        load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], [(3, 11)]], 16, 15, [[1]]))
         done_at = time.monotonic()
         # Once the READ is done, nothing asks P to keep the lease: keep stepping for several
         # extension periods (0.2 s each here).

@@ -1,5 +1,5 @@
 """P answers a claim that overtook its lease the moment the lease lands (Claim.wait_ms), over a
-real side channel, with P's own claim handler (WorkerHalf._serve); no NIXL transfer needed."""
+real side channel, with P's own claim handler (engine/sender.py); no NIXL transfer needed."""
 
 from __future__ import annotations
 
@@ -8,44 +8,33 @@ import time
 
 import pytest
 
-from pd_connector.transport import side_channel
-
-from pd_connector.engine import worker
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.leases import LeaseTable
-from pd_connector.engine.metadata import PDMetadata, SendLease
-from pd_connector.engine.metrics import Recorder
-from pd_connector.core.protocol import Claim, Granted, Pending, Reject
-from pd_connector.engine.worker import WorkerHalf
+from pd_connector.core.protocol import Claim, EngineCompat, Granted, Pending, Reject, Welcome
+from pd_connector.engine import sender as sender_mod
+from pd_connector.engine.metadata import SendLease
+from pd_connector.engine.sender import Sender
+from pd_connector.transport import side_channel
 
 HOST = "127.0.0.1"
 BLOCKS = [[3, 4], [9]]
 
 
-def prefill_worker() -> WorkerHalf:
-    """The P-side state _serve and start_load_kv use, without vLLM or NIXL."""
-    w = WorkerHalf.__new__(WorkerHalf)
-    w.settings = ConnectorSettings()
-    w._leases, w._lease_lock = LeaseTable(), threading.Lock()
-    w.recorder, w._digester, w.mamba_groups = Recorder(), None, []
-    w._wake, w._idle_step, w._idle_wait_s = threading.Event(), False, 0.0
-    w.receiver, w.server = None, None
-    return w
+COMPAT = EngineCompat("m", "float32", "auto", [], "", 1, "cpu")
 
 
 @pytest.fixture
 def served(free_port):
-    """P's worker state with its claim handler on a real side channel at ``free_port``."""
-    w = prefill_worker()
-    w.server = side_channel.SideChannelServer(HOST, free_port, w._serve)
-    yield w
-    w.server.close()
+    """P's sender (lease table and side-channel answers) on a real side channel at ``free_port``."""
+    welcome = Welcome("p", "agent", b"", [], COMPAT)
+    settings = ConnectorSettings(side_channel_host=HOST, side_channel_port=free_port)
+    s = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    yield s
+    s.close()
 
 
-def grant(w: WorkerHalf, request_id: str, offset: int = 31) -> None:
+def grant(s: Sender, request_id: str, offset: int = 31) -> None:
     """What P's engine thread does one step after the request finished."""
-    lease = SendLease(deadline=time.monotonic() + 30, offset=offset, block_ids=BLOCKS)
-    w.start_load_kv(PDMetadata(to_send={request_id: lease}, to_recv={}, to_release=[], to_extend=[]))
+    s.grant({request_id: SendLease(deadline=time.monotonic() + 30, offset=offset, block_ids=BLOCKS)})
 
 
 def claim(request_id: str, wait_ms: int, offset: int = 31) -> Claim:
@@ -56,7 +45,7 @@ def test_claim_that_overtook_its_lease_is_granted_when_the_lease_lands(served, f
     # Only the grant's kick can answer within the test: the periodic re-poll and P's cap on the
     # wait are both pushed past it.
     monkeypatch.setattr(side_channel, "_PARKED_POLL_S", 60.0)
-    monkeypatch.setattr(worker, "MAX_CLAIM_PARK_MS", 60_000)
+    monkeypatch.setattr(sender_mod, "MAX_CLAIM_PARK_MS", 60_000)
     out: dict = {}
     caller = threading.Thread(target=lambda: out.update(r=side_channel.call(HOST, free_port, claim("r1", 30_000), 40)))
     caller.start()

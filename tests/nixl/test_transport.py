@@ -4,7 +4,7 @@ The KV caches are CPU uint8 tensors placed the way vLLM's hybrid allocator place
 (``KVCacheTensor``: layer ``layers[l]``'s page for block b at
 ``offset + l * layer_stride + b * block_stride``), with attention and Mamba tensors aliasing one
 allocation by block id. The page map is derived with the production code
-(``vllm_compat.regions_from_kv_caches``); the expected bytes are computed independently from the
+(``engine/compat.regions_from_kv_caches``); the expected bytes are computed independently from the
 placement, so a wrong region, a wrong descriptor index or a stray NIXL write all show up as a
 byte mismatch somewhere in D's allocation.
 """

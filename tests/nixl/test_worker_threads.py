@@ -16,11 +16,12 @@ import pytest
 
 from pd_connector.core import layout
 from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.protocol import PrefillRef
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
 
-from test_chunked_read import COMPAT, granting_side_channel, peered_pairs
+from test_chunked_read import COMPAT, granting_side_channel, peered_pairs, read_done
 from test_transport import (
     ATTN,
     KINDS,
@@ -132,11 +133,10 @@ def test_an_odd_run_count_is_posted_in_two_slices_notifying_once_after_the_last(
     post waits. The third goes in a second slice; P hears once, after it."""
     p, d = threaded("block_major_padded")
     pairs = [[(7, 2), (1, 9), (4, 5)], []]
-    li, ri = d.transport.plan("p", pairs)
-    assert d.transport.count_runs("p", li, ri) == 3
-    bounds = d.transport.read_slices("p", li, ri, 1 << 20)
-    assert bounds == [(0, 2), (2, 3)]
-    xfer = ChunkedRead(d.transport, "p", li, ri, b"odd", bounds)
+    plan = d.transport.read_plan("p", pairs, 1 << 20)
+    assert plan.runs == 3
+    assert plan.bounds == [(0, 2), (2, 3)]
+    xfer = ChunkedRead(d.transport, "p", plan, b"odd")
     deadline = time.monotonic() + TIMEOUT_S
     while (state := xfer.advance()) == PENDING:
         assert xfer.next == xfer.slices or not p.transport.take_notifications(), "P heard before the last slice"
@@ -177,7 +177,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
     try:
         rng = random.Random(5)
         pairs = [list(zip(rng.sample(range(1, BIG_BLOCKS), 600), rng.sample(range(1, BIG_BLOCKS), 600))), []]
-        receiver.add("r", RecvTask("p", "127.0.0.1", free_port, "P-r", pairs, 600 * 16, 600 * 16 - 1, [[1]]))
+        receiver.add("r", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r"), pairs, 600 * 16, 600 * 16 - 1, [[1]]))
         slices = set()
         deadline = time.monotonic() + TIMEOUT_S
         while True:
@@ -192,7 +192,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
         assert slices and max(slices) <= 2, f"a READ through worker threads was sliced: {slices}"
         want, _ = expected_after(d, p, pairs)
         assert_bytes(d, want)
-        assert collect_notifications(p.transport, 1) == {b"P-r": 1}
+        assert collect_notifications(p.transport, 1) == {read_done("r"): 1}
     finally:
         receiver.close()
         server.close()

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 from fake_upstreams import async_test, dead_url, serve
 
+from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.check import run as check
 
 from pd_connector.check import client as check_client
@@ -31,7 +32,7 @@ def pd_params(n: int) -> dict:
         "remote_request_id": "cmpl-x-0", "remote_host": "127.0.0.1", "remote_port": 5660,
         "remote_num_tokens": n - 1, "remote_blocks_expiry_time": None, "tp_size": 1,
         "dcp_size": 1, "pp_size": 1, "transfer_mode": "pull",
-        "replay_offset": n - 1, "pd_protocol_version": 1,
+        "replay_offset": n - 1, "pd_protocol_version": PROTOCOL_VERSION,
     }
 
 
@@ -39,7 +40,7 @@ class FakeVllm:
     """Answers /health, /v1/models, /metrics and /v1/completions like vLLM.
 
     params: what a prefill returns: "pd" (pd_connector), "nixl" (no replay_offset/version),
-    "none" (kv_transfer_params null: no connector), "v2" (another protocol version).
+    "none" (kv_transfer_params null: no connector), "other" (another protocol version).
     On decode: greedy tokens derived from the prompt; ``corrupt`` changes token 2 when params
     came along; ``margin`` is the top-1/top-2 logprob gap; ``event`` is what /metrics counts for
     a decode with params (None: no /metrics).
@@ -83,8 +84,8 @@ class FakeVllm:
         kv = body.get("kv_transfer_params")
         prompt = body["prompt"]
         if kv and kv.get("do_remote_decode"):  # a prefill
-            out_params = {"pd": pd_params(len(prompt)), "v2": {**pd_params(len(prompt)),
-                                                              "pd_protocol_version": 2},
+            out_params = {"pd": pd_params(len(prompt)), "other": {**pd_params(len(prompt)),
+                                                                 "pd_protocol_version": PROTOCOL_VERSION + 1},
                           "none": None}.get(self.params)
             if self.params == "nixl":
                 out_params = {k: v for k, v in pd_params(len(prompt)).items()
@@ -172,8 +173,8 @@ async def test_nixl_style_params_are_named():
 
 @async_test(timeout=15)
 async def test_other_protocol_version():
-    rep = await run(FakeVllm(params="v2"), FakeVllm())
-    one(rep.problems, "protocol version 2")
+    rep = await run(FakeVllm(params="other"), FakeVllm())
+    one(rep.problems, f"protocol version {PROTOCOL_VERSION + 1}")
 
 
 @async_test(timeout=15)

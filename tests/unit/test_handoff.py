@@ -1,7 +1,7 @@
 """Pure tests of pd_connector.core.handoff: P's choice of the replay offset and D's validation.
 
-No vLLM, NIXL, torch or sockets. Background: /work/shared/reference/vllm-pd-internals.md, 3.1
-(vLLM 0.32's implicit backoff rule) and 4.3 (replay boundaries).
+No vLLM, NIXL, torch or sockets. vLLM 0.32's implicit backoff rule and its Mamba checkpoint
+positions, which these tests compare against: docs/architecture.md, "vLLM 0.32 behaviour the core mirrors".
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def offset_cap(n: int, profile: RecomputeProfile, requested: int = 0) -> int:
 
 
 def vllm_backoff(profile: RecomputeProfile) -> int:
-    """vLLM 0.32 ``_prefill_backoff`` (reference 3.1), for profiles without bounded replay."""
+    """vLLM 0.32 ``_prefill_backoff``, for profiles without bounded replay."""
     return max(1 if profile.has_recurrent_state else 0, profile.prefill_lookahead - 1)
 
 
@@ -102,7 +102,7 @@ def test_min_recompute_is_at_least_one_and_covers_every_term(profile):
 @pytest.mark.parametrize(
     "recurrent, lookahead, expected",
     [
-        # Table of reference section 3.1 (b), with pd_connector's explicit floor of 1.
+        # vLLM's backoff b per model and drafting, with pd_connector's explicit floor of 1.
         (False, 0, 1),  # pure attention, no spec decode: vLLM b = 0 (full-hit rule rewinds 1)
         (False, 1, 1),  # pure attention, EAGLE / single-module MTP
         (False, 3, 2),  # pure attention, multi-module MTP K=3 -> K-1
@@ -112,7 +112,7 @@ def test_min_recompute_is_at_least_one_and_covers_every_term(profile):
         (True, 4, 3),  # hybrid, MTP K=4 -> max(1, 3)
     ],
 )
-def test_min_recompute_matches_reference_table(recurrent, lookahead, expected):
+def test_min_recompute_matches_vllm_backoff_table(recurrent, lookahead, expected):
     profile = RecomputeProfile(has_recurrent_state=recurrent, prefill_lookahead=lookahead)
     assert min_recompute_tokens(profile) == expected
 
@@ -187,7 +187,7 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
 @pytest.mark.parametrize(
     "n, profile, requested, expected",
     [
-        (40, RecomputeProfile(has_recurrent_state=True), 0, 39),  # reference 3.2 example
+        (40, RecomputeProfile(has_recurrent_state=True), 0, 39),  # vLLM's P computes 39 of 40
         (40, RecomputeProfile(), 0, 39),
         (40, RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3), 0, 38),
         (40, RecomputeProfile(has_recurrent_state=True), 2, 38),  # D runs MTP K=3
@@ -233,13 +233,13 @@ def test_choose_offset_exhaustive_small_prompts():
 
 
 def vllm_mamba_checkpoint(n: int, unit: int, eagle: bool) -> int:
-    """``get_mamba_prefill_checkpoint_position`` (reference 4.3)."""
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` (vllm/v1/kv_cache_interface.py)."""
     return max(0, (n // unit) * unit - unit) if eagle else ((n - 1) // unit) * unit
 
 
 def test_grid_offset_is_vllm_mamba_checkpoint_without_eagle():
     """Align mode without EAGLE: the offset is where vLLM's own prefill checkpoint lies, so D
-    registers the received state where its cache manager looks (reference 4.3 examples)."""
+    registers the received state where its cache manager looks."""
     assert vllm_mamba_checkpoint(80, 8, False) == 72
     assert vllm_mamba_checkpoint(15, 2, True) == 12
     assert vllm_mamba_checkpoint(128, 32, True) == 96
@@ -432,7 +432,7 @@ def test_missing_offset_is_refused_as_missing_offset():
     assert d.params is None
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, -1, PROTOCOL_VERSION + 1, "1", True, False, 1.5])
+@pytest.mark.parametrize("version", [None, 0, 1, -1, PROTOCOL_VERSION + 1, "2", True, False, 1.5])
 def test_version_mismatch_is_refused(version):
     raw = valid_params()
     if version is None:
@@ -445,7 +445,7 @@ def test_version_mismatch_is_refused(version):
 
 
 def test_bool_version_true_is_a_mismatch_not_version_one():
-    assert True == PROTOCOL_VERSION  # noqa: E712 - the trap this test pins
+    # True == 1 in Python: a bool must never pass as an integer version (protocol 1's trap).
     refused(valid_params(**{KEY_VERSION: True}), kind="version_mismatch")
 
 
@@ -626,8 +626,8 @@ def test_skew_exhaustive_small_prompts():
                     assert isinstance(d, Refused) and d.kind == "offset_above_requirement"
 
 
-def test_skew_mtp_mismatch_from_reference_is_refused_not_silent():
-    """Reference 3.6: P with num_speculative_tokens=1 and D with 3 (multi-module MTP, hybrid).
+def test_mtp_skew_p1_d3_is_refused_not_silent():
+    """P with num_speculative_tokens=1 and D with 3 (multi-module MTP, hybrid).
     vLLM desyncs silently; here D refuses unless routed with its requirement."""
     p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
     d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=4)
@@ -640,7 +640,7 @@ def test_skew_mtp_mismatch_from_reference_is_refused_not_silent():
 
 
 # A little arithmetic sanity of the property above, independent of the module.
-def test_vllm_backoff_helper_matches_reference_table():
+def test_vllm_backoff_helper_matches_vllm_backoff_table():
     assert vllm_backoff(RecomputeProfile()) == 0
     assert vllm_backoff(RecomputeProfile(prefill_lookahead=4)) == 3
     assert vllm_backoff(RecomputeProfile(has_recurrent_state=True)) == 1

@@ -381,12 +381,69 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
 
 
 def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
+    from pd_connector.core.protocol import PrefillRef
     from pd_connector.engine.metadata import ExtendTask, extend_tasks
 
     targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]
-    assert extend_tasks(targets) == [
-        ExtendTask("h1", 1, ["a", "c"]),
-        ExtendTask("h2", 1, ["b"]),
-        ExtendTask("h1", 2, ["d"]),
+    refs = [PrefillRef("e", host, port, rid) for host, port, rid in targets]
+    assert extend_tasks(refs) == [
+        ExtendTask("h1", 1, 1, ["a", "c"]),
+        ExtendTask("h2", 1, 1, ["b"]),
+        ExtendTask("h1", 2, 1, ["d"]),
     ]
     assert extend_tasks([]) == []
+
+
+# --- readers (tensor parallelism: several D ranks read one P rank's shard) -------------------
+
+
+def test_a_lease_with_two_readers_ends_after_both_and_a_repeat_counts_once():
+    t = LeaseTable()
+    t.grant("r", deadline=100.0, offset=3, block_ids=[[1]])
+    assert t.claim("r", 3, [[1]], now=1.0, extend_to=50.0, readers=2)[0] == GRANTED
+    assert not t.complete("r", 2.0, reader="d#0/x", readers=2)
+    assert not t.complete("r", 2.1, reader="d#0/x", readers=2)  # the same reader again
+    assert t.take_finished() == set()
+    assert t.complete("r", 2.2, reader="d#1/x", readers=2)
+    assert t.take_finished() == {"r"}
+
+
+def test_readers_that_complete_before_the_grant_settle_it_on_arrival():
+    t = LeaseTable()
+    t.complete("r", 1.0, reader="a", readers=2)
+    t.grant("r", deadline=100.0)
+    assert t.take_finished() == set() and t.holds("r")
+    t.complete("r", 1.5, reader="b", readers=2)
+    assert t.take_finished() == {"r"}
+    t.complete("s", 1.0, reader="a", readers=2)
+    t.complete("s", 1.1, reader="b", readers=2)
+    t.grant("s", deadline=100.0)
+    assert t.take_finished() == {"s"} and not t.holds("s")
+
+
+def test_a_release_without_reader_ends_a_lease_other_readers_still_hold():
+    t = LeaseTable()
+    t.grant("r", deadline=100.0)
+    t.complete("r", 1.0, reader="a", readers=3)
+    assert t.complete("r", 1.1)  # D's scheduler: nobody will read
+    assert t.take_finished() == {"r"}
+
+
+@given(st.integers(1, 4), st.lists(st.integers(0, 5), max_size=12), st.booleans())
+def test_a_lease_ends_exactly_when_its_last_distinct_reader_completes(readers, order, early):
+    """Whatever the order, repeats and timing against the grant: finished once, at the moment
+    the number of distinct readers reaches the count announced."""
+    t = LeaseTable()
+    if not early:
+        t.grant("r", deadline=1e9)
+    seen: set[int] = set()
+    finished_at = None
+    for i, reader in enumerate(order):
+        t.complete("r", float(i), reader=f"d#{reader}", readers=readers)
+        seen.add(reader)
+        if finished_at is None and len(seen) >= readers:
+            finished_at = i
+    if early:
+        t.grant("r", deadline=1e9)
+    assert (t.take_finished() == {"r"}) == (finished_at is not None)
+    assert t.holds("r") == (finished_at is None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector.transport.nixl import backend_params
+from pd_connector.transport.backends import backend_params
 
 
 def test_no_worker_threads_keeps_every_backends_defaults():

@@ -1,6 +1,6 @@
 """Pure tests of pd_connector.core.pairing: which of P's blocks feed which of D's blocks.
 
-Block tables are generated the way vLLM 0.32 shapes them (reference sections 3.4, 3.5):
+Block tables are generated the way vLLM 0.32 shapes them (docs/architecture.md, "vLLM 0.32 behaviour the core mirrors"):
 - attention: >= cdiv(R, B) unique non-null ids;
 - sliding window: the same, with null (0) ids for the blocks vLLM's
   ``SlidingWindowManager.remove_skipped_blocks`` already dropped: blocks [0, skipped // B) with

@@ -30,7 +30,6 @@ def _config(tp=1, pp=1, dcp=1, device="cpu", platform="cpu"):
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"tp": 2}, "tensor_parallel_size=1"),
     ({"pp": 2}, "pipeline_parallel_size=1"),
     ({"dcp": 2}, "decode_context_parallel_size=1"),
     ({"device": "cpu", "platform": "cuda"}, '"kv_buffer_device":"cuda"'),
@@ -40,8 +39,9 @@ def test_unsupported_deployments_are_refused_with_what_to_change(kw, words):
         check_supported(_config(**kw))
 
 
-def test_supported_deployment_passes():
-    check_supported(_config())
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_supported_deployment_passes_at_any_tensor_parallel_size(tp):
+    check_supported(_config(tp=tp))
 
 
 def test_chunked_local_attention_is_refused_at_start_up():
@@ -210,5 +210,5 @@ def test_hybrid_model_without_the_hybrid_kv_cache_manager_is_refused_naming_the_
             check(config)
     # With vLLM's default (HMA on, since PDConnector supports it) the same model passes, and so
     # does an attention-only model with HMA off.
-    assert PDConnector.get_required_kvcache_layout(_vllm_config(hybrid_model_dir)) is None
+    assert PDConnector.get_required_kvcache_layout(_vllm_config(hybrid_model_dir)) == "LBHNC"
     check_supported(_vllm_config(model_dir, disable_hma=True))

@@ -2,10 +2,10 @@
 
 Two P/D deployments run side by side (four vLLM CPU servers, the most the 2-core box is meant
 to hold): P and D with ``PDConnector`` behind ``pd-connector proxy``, and P and D with vLLM's
-``NixlConnector`` (cpu-recipes.md section 7: ``"kv_buffer_device":"cpu"``, per-instance
+``NixlConnector`` (``"kv_buffer_device":"cpu"``, per-instance
 ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``) behind the same proxy: it sends P vLLM's toy-proxy fields
 and forwards P's ``kv_transfer_params`` to D opaquely, which is all NixlConnector needs. Same
-model, flags and placement on both (``testing.placement.cpu_binds`` for the four: unpinned,
+model, flags and placement on both (``dev/testing/placement.cpu_binds`` for the four: unpinned,
 one OpenMP thread each, on a 2-core box; vLLM's NixlConnector pins its own worker thread).
 Every prompt (a new one per round and length, so no prefix cache ever hits) goes to both
 deployments, one request at a time, alternating which goes first (A B, B A, ...) so drift on
@@ -26,7 +26,7 @@ D's first token" costs beyond D's recompute; and the connector's own transfer ti
   pd-connector bench e2e --quick     # one hybrid, 3 lengths x 3 rounds (5-9 min on 2 loaded cores)
   pd-connector bench e2e             # tiny Nemotron-H hybrid and llama, 5 lengths x 8 rounds
 
-Start it under ``flock /tmp/pd-vllm.lock`` on a shared box (it starts vLLM servers).
+Start it under ``flock /tmp/pd-e2e.lock`` on a shared box (it starts vLLM servers).
 """
 
 from __future__ import annotations

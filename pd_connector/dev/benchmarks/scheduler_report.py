@@ -9,7 +9,7 @@ import pstats
 
 from pd_connector.dev.benchmarks import report
 
-TARGET_US = 50.0  # issue #5: at most 50 µs per request on each half
+TARGET_US = 50.0  # the target: at most 50 µs per request on each half (docs/benchmarks.md)
 
 
 def best_run(runs: list[dict], **labels) -> dict:

@@ -180,7 +180,7 @@ def gc_accounting(timers: Timers):
     """Charge each garbage collection of the run (``gc.callbacks``) to our hooks or to vLLM, by
     where it started. Collections are part of both figures already (they run inside whichever
     call allocated past the threshold); this says how much, so that a figure inflated by a
-    collection it merely triggered shows as such (measured: a few µs per request, gen 0/1
+    collection it merely triggered shows as such (a few µs per request, gen 0/1
     only, with the heap frozen as a vLLM server freezes it)."""
     started = [0]
 

@@ -28,7 +28,7 @@ Sections (``--sections``):
           vs raw NIXL vs D's local memcpy, and the transport UCX's tables name
           (``transfer_tcp``). Skipped with the reason where namespaces cannot be made.
 
-  pd-connector bench transfer --quick            (or: python scripts/bench_transfer.py --quick)
+  pd-connector bench transfer --quick
   pd-connector bench transfer --device cuda      (GPU machines: registers VRAM)
 """
 

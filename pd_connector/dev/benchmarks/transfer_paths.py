@@ -70,9 +70,7 @@ def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, ke
     end to end; ``post`` = the longest single call into NIXL, i.e. the longest stall of D's
     engine thread."""
     t0 = time.perf_counter()
-    li, ri = d_t.plan(key, pairs)
-    bounds = d_t.read_slices(key, li, ri, chunk_bytes)
-    xfer = ChunkedRead(d_t, key, li, ri, notif, bounds)
+    xfer = ChunkedRead(d_t, key, d_t.read_plan(key, pairs, chunk_bytes), notif)
     t1 = time.perf_counter()
     longest, deadline = 0.0, t1 + 60.0
     while True:

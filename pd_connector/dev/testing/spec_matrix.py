@@ -7,8 +7,9 @@ one instance to another; the diagonal is an instance handing a request to itself
 which exercises the same side channel, claim, READ and slot pairing as two instances.
 
 Shared by ``tests/e2e/test_speculative.py`` (PDConnector) and
-``scripts/spec_skew_matrix.py`` (which also records vLLM's NixlConnector on the same matrix).
-The expected outcome of a cell is computed with the connector's own pure rule (``handoff.py``)
+``scripts/spec_skew_matrix.py`` (which also runs vLLM's NixlConnector on the same matrix:
+docs/benchmarks.md, "Speculative skew with vLLM's NixlConnector").
+The expected outcome of a cell is computed with the connector's own pure rule (``core/handoff.py``)
 from what each configuration demands, so the test checks the running system against the rule and
 the output against aggregated serving.
 """
@@ -31,19 +32,18 @@ from pd_connector.dev.testing.speculative_models import MTP_MODULES
 
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
 # default): without it a peer's UCX wire-up waits for the other engine to step, and two kv_both
-# instances connecting to each other stalled for tens of seconds (measured, then reverted).
-# Generous timeouts: with four instances on two cores (fresh-clone CI, 2026-11-29) a first
-# handshake went unanswered for 5 s and two leases of 30 s expired before D's claim arrived;
-# each such handoff is recomputed correctly but counted as a load failure, not as the outcome
-# the skew matrix expects.
+# instances connecting to each other stall for tens of seconds. Generous timeouts: with four
+# instances on two cores a first handshake can go unanswered for 5 s and a 30 s lease can expire
+# before D's claim arrives; such a handoff is recomputed correctly but counted as a load
+# failure, not as the outcome the skew matrix expects.
 SPEC_EXTRA_CONFIG = {"handshake_timeout_seconds": 20, "lease_seconds": 120}
 
 # bf16 oracle thresholds (GDN runs only in bf16 on CPU). Measured on the tiny Qwen3-Next with
 # agreeing configurations: chosen-token logprobs of P/D and aggregated serving differ by at most
 # ~4e-3 where tokens match (about one bf16 step at these logit sizes: the P/D split changes the
 # accumulation order of GDN's chunked kernel). A wrong state moved them by 1e-2 and more and
-# flipped tokens with margins up to 5e-2; the conv-state bug pinned in
-# tests/unit/test_state_regions.py was at first hidden by a 2e-2 tie margin. The negative control
+# flipped tokens with margins up to 5e-2; a 2e-2 tie margin would hide the conv-state mis-pairing
+# that tests/unit/test_state_regions.py pins. The negative control
 # in tests/e2e/test_speculative.py must fail nearly every prompt at these thresholds.
 BF16_TIE_MARGIN = 8e-3
 BF16_LOGPROB_TOL = 1e-2
@@ -167,11 +167,11 @@ def caught_desyncs(
     """Negative control: per prompt, whether the bf16 oracle catches D resuming one token early
     on the state P computed for its offset (what a P/D pair backing off differently does).
     ``reference(prompt)`` is D's aggregated output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
-    from pd_connector.engine.scheduler import FAULT_RESUME_SHIFT
+    from pd_connector.engine.faults import RESUME_SHIFT
 
     caught = []
     for prompt in prompts:
-        params = {**p.prefill(prompt), FAULT_RESUME_SHIFT: -1}
+        params = {**p.prefill(prompt), RESUME_SHIFT: -1}
         caught.append(not check_bf16(reference(prompt), d.decode(prompt, params, max_tokens)).ok)
     return caught
 

@@ -1,6 +1,6 @@
 """Tiny models for speculative decoding on vLLM CPU: a Qwen3-Next target with native MTP modules
 and an EAGLE-1 drafter. Called by ``tiny_models.build_model`` (which owns caching, the tokenizer
-and the completeness marker); recipes and the measurements behind them: cpu-recipes 10.2.
+and the completeness marker). Why these shapes: below, and docs/testing.md.
 
 - ``qwen3_next_mtp``: 8 layers, full attention every 4th (layers 3 and 7), 6 GDN layers. vLLM
   puts every drafting layer in one KV-cache group only if the target has at least as many GDN
@@ -29,7 +29,7 @@ QWEN_INIT_STD = 0.02
 # projection (q/k/v/z) by 2 and its output projection by 4 makes the recurrent path matter:
 # measured (vLLM CPU, self-handoff, 10 prompts of 31-257 tokens) the desync is caught on 10/10
 # (8 with a different first token), while agreeing handoffs still differ from aggregated
-# serving by at most 4e-3 in logprob (one bf16 step; the same as before the scaling). Powers of
+# serving by at most 4e-3 in logprob (one bf16 step, as without the scaling). Powers of
 # two keep the scaling exact in bf16.
 GDN_WEIGHT_SCALES = {"linear_attn.in_proj_qkvz.weight": 2.0, "linear_attn.out_proj.weight": 4.0}
 

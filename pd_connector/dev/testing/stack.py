@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from pd_connector.core.protocol import PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.testing.ports import free_port, free_ports
 from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
 
 
@@ -35,6 +35,10 @@ def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", *
             "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
         }
     )
+
+
+def tp_args(size: int) -> list[str]:
+    return ["--tensor-parallel-size", str(size)] if size > 1 else []
 
 
 @dataclass
@@ -59,6 +63,9 @@ class StackConfig:
     # Extra `pd-connector proxy` arguments (e.g. --decode-min-recompute K).
     proxy_args: Sequence[str] = ()
     log_dir: str | None = None
+    # Tensor-parallel sizes; the baseline runs at D's (the oracle is aggregated serving there).
+    prefill_tp: int = 1
+    decode_tp: int = 1
     # Namespaced hosts (netns.Host) for P and D: each server runs on its host and listens on its
     # address, P's side channel included. None: loopback of this machine.
     prefill_host: Any = None
@@ -77,7 +84,7 @@ class PDStack:
         self.config = config
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pd-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.side_channel_port = free_port()
+        self.side_channel_port = free_ports(config.prefill_tp)  # rank r listens on port + r
         common = dict(
             served_model_name=config.served_model_name,
             max_model_len=config.max_model_len,
@@ -87,8 +94,9 @@ class PDStack:
         # All of them run at once (start_many, then for the whole stack's life): on CPU, one core
         # each while there are enough, else all unpinned (placement.cpu_binds); "auto" elsewhere.
         roles = (["baseline"] if config.with_baseline else []) + ["prefill", "decode"]
+        tp = {"baseline": config.decode_tp, "prefill": config.prefill_tp, "decode": config.decode_tp}
         if config.device == "cpu":
-            binds = dict(zip(roles, cpu_binds(len(roles))))
+            binds = dict(zip(roles, cpu_binds([tp[role] for role in roles])))
         else:
             binds = {role: ("auto", {}) for role in roles}
         p_host, d_host = config.prefill_host, config.decode_host
@@ -97,6 +105,7 @@ class PDStack:
             config.model,
             extra_args=[
                 *config.server_args,
+                *tp_args(config.prefill_tp),
                 *config.prefill_args,
                 "--kv-transfer-config",
                 kv_transfer_config("kv_producer", self.side_channel_port, config.device, **p_extra),
@@ -111,6 +120,7 @@ class PDStack:
             config.model,
             extra_args=[
                 *config.server_args,
+                *tp_args(config.decode_tp),
                 *config.decode_args,
                 "--kv-transfer-config",
                 kv_transfer_config("kv_consumer", free_port(), config.device, **config.extra_config),
@@ -125,7 +135,7 @@ class PDStack:
         if config.with_baseline:
             self.baseline = VllmServer(
                 config.model,
-                extra_args=[*config.server_args, *config.baseline_args],
+                extra_args=[*config.server_args, *tp_args(config.decode_tp), *config.baseline_args],
                 env={**env, **binds["baseline"][1], **config.baseline_env},
                 omp_threads_bind=binds["baseline"][0],
                 log_path=self.log_dir / "baseline.log",

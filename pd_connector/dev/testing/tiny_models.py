@@ -2,10 +2,12 @@
 
 The test machines have no model hub access, so every model the e2e tests serve is generated here
 from a fixed seed: a 1024-entry byte-level BPE tokenizer trained on torch's own ``.py`` files and
-three architectures that vLLM CPU 0.32.0 can serve (see docs / cpu-recipes section 4):
+architectures that vLLM CPU 0.32.0 can serve (docs/testing.md, "Tiny models"):
 
-- ``llama``: plain attention (LlamaForCausalLM).
-- ``nemotron_h``: Mamba2 + attention hybrid, layer pattern ``M*M-`` (NemotronHForCausalLM).
+- ``llama``: plain attention (LlamaForCausalLM); ``llama_kv1``: the same with one KV head
+  (replicated on every rank at TP 2).
+- ``nemotron_h``: Mamba2 + attention hybrid, layer pattern ``M*M-`` (NemotronHForCausalLM), one
+  SSM group (replicated at TP 2); ``nemotron_h_g2``: two groups (one per rank at TP 2).
 - ``granite_hybrid``: ``[mamba, attention, mamba, attention]``, no experts
   (GraniteMoeHybridForCausalLM).
 - ``qwen3_next_mtp``: Qwen3-Next (gated delta net linear attention + full attention, MoE), 8
@@ -15,7 +17,7 @@ three architectures that vLLM CPU 0.32.0 can serve (see docs / cpu-recipes secti
 
 Weights are saved in **float32**: bf16 is not stable across the P/D split on CPU (aggregated
 prefill of N tokens vs. P prefilling N-1 and D computing the last one accumulate differently), so
-exact-match oracles need float32 (cpu-recipes 10.5/10.7). The exception is ``qwen3_next_mtp``:
+exact-match oracles need float32 (docs/testing.md, "How outputs are compared"). The exception is ``qwen3_next_mtp``:
 vLLM CPU's GDN kernel runs only in bf16 ("CPU GDN attention requires BF16"), so tests on it use
 the margin-aware oracle.
 
@@ -39,7 +41,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-MODEL_KINDS: tuple[str, ...] = ("llama", "nemotron_h", "granite_hybrid", "qwen3_next_mtp", "eagle_llama")
+MODEL_KINDS: tuple[str, ...] = (
+    "llama", "llama_kv1", "nemotron_h", "nemotron_h_g2", "granite_hybrid", "qwen3_next_mtp", "eagle_llama",
+)
 # Kinds built by speculative_models.py rather than from a transformers class alone.
 _BF16_KINDS = ("qwen3_next_mtp",)
 
@@ -135,19 +139,19 @@ def common_config(tok) -> dict[str, Any]:
 
 
 def _model_config(kind: str, tok) -> Any:
-    """HF config for ``kind``; sizes as in cpu-recipes section 4 (head_dim 32: CPU_ATTN minimum)."""
+    """HF config for ``kind``: hidden size 64, head_dim 32 (the smallest CPU_ATTN supports)."""
     common = common_config(tok)
-    if kind == "llama":
+    if kind in ("llama", "llama_kv1"):
         from transformers import LlamaConfig
 
         return LlamaConfig(
             **common,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=1 if kind == "llama_kv1" else 2,
             head_dim=32,
         )
-    if kind == "nemotron_h":
+    if kind in ("nemotron_h", "nemotron_h_g2"):
         from transformers import NemotronHConfig
 
         # "M*M-": Mamba2, attention, Mamba2, MLP. transformers 5 converts the legacy pattern into
@@ -161,7 +165,7 @@ def _model_config(kind: str, tok) -> Any:
             mamba_num_heads=8,
             mamba_head_dim=16,
             ssm_state_size=16,
-            n_groups=1,
+            n_groups=2 if kind == "nemotron_h_g2" else 1,
             conv_kernel=4,
             expand=2,
             chunk_size=64,
@@ -216,7 +220,9 @@ def _write_model(kind: str, out: Path) -> None:
 
     classes = {
         "llama": LlamaForCausalLM,
+        "llama_kv1": LlamaForCausalLM,
         "nemotron_h": NemotronHForCausalLM,
+        "nemotron_h_g2": NemotronHForCausalLM,
         "granite_hybrid": GraniteMoeHybridForCausalLM,
     }
     tok = build_tokenizer()

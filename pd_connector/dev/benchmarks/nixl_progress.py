@@ -1,26 +1,31 @@
 """NIXL progress-thread poll delay: CPU taken by two connected idle agents, and a loopback READ.
 
-    .venv/bin/python scripts/bench_nixl_progress.py            # delays 0, 100, 1000 µs
+    pd-connector bench nixl_progress                     # delays 0, 100, 1000 µs
 
-For each delay, two UCX agents in this process (P and D, DRAM) are connected; the script prints
-the CPU ticks (1/100 s) each busy thread used over 3 s while idle, then the time of a 4 MiB READ
-in 64 KiB descriptors that only D polls (P's progress thread alone serves P's side). Measurements,
-not assertions; see ``nixl_progress_delay_us`` in docs/configuration.md.
+For each delay, two UCX agents (P and D, DRAM) are connected in a process of their own; it
+prints the CPU ticks (1/100 s) each busy thread used over 3 s while idle, then the time of a
+4 MiB READ in 64 KiB descriptors that only D polls (P's progress thread alone serves P's side).
+Why ``nixl_progress_delay_us`` defaults to 100 over DRAM: docs/benchmarks.md, "NIXL progress
+thread".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 import numpy as np
 
+from pd_connector.dev.benchmarks import report
 from pd_connector.transport.backends import import_nixl
 from pd_connector.transport.nixl import create_agent
 
 MiB = 1 << 20
+# Run by name, not __name__: that is "__main__" under python -m.
+_MODULE = "pd_connector.dev.benchmarks.nixl_progress"
 
 
 def _thread_ticks() -> dict[str, int]:
@@ -68,17 +73,24 @@ def measure(delay_us: int, idle_s: float = 3.0, reps: int = 20) -> tuple[list[in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--delays", default="0,100,1000", help="comma-separated delays in µs")
+    ap.add_argument("--out", default=report.DEFAULT_OUT, help="directory for nixl_progress.json")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one is not None:
         busy, seconds = measure(args.one)
-        print(f"{args.one:>9} {str(busy):>32} {seconds * 1e3:>14.2f} {4 * MiB / seconds / 1e9:>6.2f}", flush=True)
+        print(json.dumps({"delay_us": args.one, "idle_ticks": busy, "read_ms": seconds * 1e3,
+                          "gbps": 4 * MiB / seconds / 1e9}), flush=True)
         return 0
-    print(f"{'delay µs':>9} {'idle ticks/3 s per busy thread':>32} {'READ 4 MiB ms':>14} {'GB/s':>6}", flush=True)
+    rows = []
     for delay in args.delays.split(","):
         # One process per delay: agents are never destroyed here, and a spinning pair left
         # behind would slow the next measurement.
-        subprocess.run([sys.executable, __file__, "--one", delay], check=True, stderr=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, "-m", _MODULE, "--one", delay], check=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    report.print_table(rows, [("delay_us", "delay µs"), ("idle_ticks", "idle ticks/3 s per busy thread"),
+                              ("read_ms", "READ 4 MiB ms", ".2f"), ("gbps", "GB/s", ".2f")])
+    print(report.write_json("nixl_progress", {"rows": rows, "environment": report.environment()}, args.out))
     return 0
 
 

@@ -1,0 +1,270 @@
+"""Tensor parallelism: which P rank and byte range feed each byte of a D rank's pages.
+
+Pure. Each rank describes every page region it registers as *segments*: runs of units of a
+global tensor axis (an attention KV head, a conv-state channel of the x/B/C or Q/K/V segment in
+one row, an SSM head) and where in the page they sit. A unit is identified by its axis name and
+global index, so the same unit has the same identity on every rank of P and D whatever their TP
+sizes; a D rank's page is then filled by intersecting its segments with those of the P ranks it
+pairs with (``peer_ranks``). Replicated units (KV heads when TP exceeds the head count, Mamba2's
+single group at TP > 1) are held by several P ranks: each is read from exactly one of them.
+
+Equal TP sizes never come here: D rank r reads P rank r's pages whole (``layout.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from pd_connector.core.protocol import LayerRegion, Segment
+
+
+class ShardError(ValueError):
+    """P's and D's TP layouts cannot be mapped onto each other; the message names both TP sizes
+    and the quantity that does not fit."""
+
+
+def check_tp_pair(p: int, d: int) -> None:
+    if p < 1 or d < 1 or (p % d and d % p):
+        raise ShardError(
+            f"prefill TP {p} and decode TP {d}: one must divide the other (ratio not integral)"
+        )
+
+
+def peer_ranks(p: int, d: int, d_rank: int) -> tuple[int, ...]:
+    """The P ranks D rank ``d_rank`` pairs with: it claims from, reads from or releases each of
+    them, and together they hold every unit the D rank holds (for vLLM's contiguous sharding).
+    P > D: the ``p / d`` ranks that split D's share; P <= D: the one rank whose share holds it."""
+    check_tp_pair(p, d)
+    if p >= d:
+        k = p // d
+        return tuple(range(d_rank * k, (d_rank + 1) * k))
+    return (d_rank * p // d,)
+
+
+def readers_per_rank(p: int, d: int) -> int:
+    """How many D ranks pair with each P rank (so how many completions a P rank waits for)."""
+    check_tp_pair(p, d)
+    return max(1, d // p)
+
+
+# --- describing a rank's pages ----------------------------------------------------------------
+
+
+def sharded(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    """(first, count) of ``total`` units split evenly over ``tp`` ranks, or every unit's single
+    owner when ``total < tp`` (vLLM replicates: rank r holds unit ``r * total // tp``)."""
+    if total >= tp:
+        if total % tp:
+            raise ShardError(f"{what}: {total} do not divide over TP {tp}")
+        per = total // tp
+        return rank * per, per
+    if tp % total:
+        raise ShardError(f"{what}: {total} cannot be replicated evenly over TP {tp}")
+    return rank * total // tp, 1
+
+
+def attention_segments(total_heads: int, tp: int, rank: int, head_bytes: int) -> tuple[Segment, ...]:
+    """A head-major attention page (vLLM's LBHNC/HND: heads outermost in a block's page)."""
+    first, count = sharded(total_heads, tp, rank, "KV heads")
+    return (Segment("kv_head", first, count, 0, head_bytes),)
+
+
+def conv_segments(
+    parts: Sequence[tuple[str, int, int]],
+    rows: int,
+    dim_first: bool,
+    elem_bytes: int,
+) -> tuple[Segment, ...]:
+    """A conv state of ``rows`` time rows over this rank's channels ``parts`` = (axis, first
+    global channel, count) in the rank's channel order (Mamba2: x, B, C; GDN: Q, K, V).
+    ``dim_first`` (vLLM's DS): shape (channels, rows), a channel's rows contiguous; else (SD):
+    shape (rows, channels), one segment per (row, part)."""
+    width = sum(count for _, _, count in parts)
+    out = []
+    if dim_first:
+        offset = 0
+        for axis, first, count in parts:
+            out.append(Segment(axis, first, count, offset, rows * elem_bytes))
+            offset += count * rows * elem_bytes
+        return tuple(out)
+    for row in range(rows):
+        offset = row * width * elem_bytes
+        for axis, first, count in parts:
+            out.append(Segment(f"{axis}@{row}", first, count, offset, elem_bytes))
+            offset += count * elem_bytes
+    return tuple(out)
+
+
+def head_segments(axis: str, total: int, tp: int, rank: int, head_bytes: int) -> tuple[Segment, ...]:
+    """A state sharded by heads, outermost (Mamba2 SSM (H, P, S), GDN recurrent (Hv, dv, dk))."""
+    first, count = sharded(total, tp, rank, f"{axis}s")
+    return (Segment(axis, first, count, 0, head_bytes),)
+
+
+MAMBA2, GDN = "mamba2", "gdn"
+
+
+def recurrent_segments(
+    kind: str,
+    state: int,
+    conv_shape: Sequence[int],
+    state_shape: Sequence[int],
+    elem_bytes: Sequence[int],
+    dim_first: bool,
+    scratch_rows: int,
+    tp: int,
+    rank: int,
+    groups_replicated: bool = False,
+) -> tuple[Segment, ...]:
+    """Segments of state ``state`` (0: conv, 1: SSM/recurrent) of a Mamba2 or GDN layer, from
+    this rank's shapes (vLLM's ``MambaSpec.shapes``, per rank).
+
+    Conv channels per rank: Mamba2 ``[x | B | C]`` with x = heads x head_dim and B, C one share of
+    the groups each (or all of them when ``groups_replicated``); GDN ``[Q | K | V]`` with
+    V = value heads x head_v_dim and Q, K equal. The SSM/recurrent state is split by heads."""
+    heads = state_shape[0]
+    if state == 1:
+        head_bytes = math.prod(state_shape[1:]) * elem_bytes[1]
+        return head_segments("ssm_head" if kind == MAMBA2 else "value_head", heads * tp, tp, rank, head_bytes)
+    if state != 0:
+        raise ShardError(f"{kind} layers have two states, not {state + 1}")
+    channels, rows = (conv_shape[0], conv_shape[1]) if dim_first else (conv_shape[1], conv_shape[0])
+    if not dim_first:
+        rows -= scratch_rows  # the state is in the leading rows; scratch rows are never copied
+    inner = heads * state_shape[1]
+    if (channels - inner) % 2 or channels <= inner:
+        raise ShardError(f"{kind} conv state of {channels} channels does not fit {inner} head channels")
+    side = (channels - inner) // 2
+    if kind == MAMBA2:
+        first = 0 if groups_replicated else rank * side
+        parts = [("x", rank * inner, inner), ("B", first, side), ("C", first, side)]
+    elif kind == GDN:
+        parts = [("q", rank * side, side), ("k", rank * side, side), ("v", rank * inner, inner)]
+    else:
+        raise ShardError(f"no TP layout known for {kind} layers")
+    return conv_segments(parts, rows, dim_first, elem_bytes[0])
+
+
+# --- pairing a D rank's regions with P ranks' -------------------------------------------------
+
+
+class Piece(NamedTuple):
+    """``nbytes`` at ``local_offset`` of a D page come from ``remote_offset`` of P rank
+    ``source``'s page of the same region."""
+
+    local_offset: int
+    source: int
+    remote_offset: int
+    nbytes: int
+
+
+def _units(segments: Sequence[Segment]) -> dict[str, list[Segment]]:
+    by_axis: dict[str, list[Segment]] = {}
+    for s in segments:
+        by_axis.setdefault(s.unit, []).append(s)
+    return by_axis
+
+
+def plan_region(local: LayerRegion, remotes: Sequence[tuple[int, LayerRegion]]) -> list[Piece]:
+    """Where each unit of ``local``'s segments comes from: the first of ``remotes`` (P rank,
+    its region of the same name) that holds it, in the order given. Consecutive units that are
+    contiguous on both sides and come from one rank form one piece. Raises ``ShardError`` for a
+    unit no P rank holds or held with another size."""
+    held = [(rank, _units(region.segments)) for rank, region in remotes]
+    pieces: list[Piece] = []
+    for seg in local.segments:
+        start, end = seg.first, seg.first + seg.count
+        while start < end:
+            found = None
+            for rank, units in held:
+                for remote in units.get(seg.unit, ()):
+                    if remote.first <= start < remote.first + remote.count:
+                        found = rank, remote
+                        break
+                if found:
+                    break
+            if found is None:
+                raise ShardError(
+                    f"{local.name}: no prefill rank holds {seg.unit} unit {start} "
+                    f"(prefill ranks {[r for r, _ in remotes]})"
+                )
+            rank, remote = found
+            if remote.unit_bytes != seg.unit_bytes:
+                raise ShardError(
+                    f"{local.name}: {seg.unit} unit is {seg.unit_bytes} B here and "
+                    f"{remote.unit_bytes} B on prefill rank {rank}"
+                )
+            stop = min(end, remote.first + remote.count)
+            pieces.append(
+                Piece(
+                    seg.offset + (start - seg.first) * seg.unit_bytes,
+                    rank,
+                    remote.offset + (start - remote.first) * remote.unit_bytes,
+                    (stop - start) * seg.unit_bytes,
+                )
+            )
+            start = stop
+    return merge_pieces(pieces)
+
+
+def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
+    """Pieces sorted by local offset, neighbours from one rank contiguous on both sides joined."""
+    out: list[Piece] = []
+    for piece in sorted(pieces):
+        if out:
+            last = out[-1]
+            if (
+                last.source == piece.source
+                and last.local_offset + last.nbytes == piece.local_offset
+                and last.remote_offset + last.nbytes == piece.remote_offset
+            ):
+                out[-1] = last._replace(nbytes=last.nbytes + piece.nbytes)
+                continue
+        out.append(piece)
+    return out
+
+
+def shard_regions(
+    local: Sequence[LayerRegion], remote_by_rank: dict[int, Sequence[LayerRegion]], order: Sequence[int]
+) -> dict[int, tuple[tuple[LayerRegion, ...], tuple[LayerRegion, ...]]]:
+    """Per P rank: (D's page ranges, P's page ranges) to copy, matched one to one, as regions
+    (``name@offset``, one per piece) that the descriptor machinery (``layout.descriptor_rows``)
+    takes like whole pages. ``order``: the P ranks to read from, preferred first."""
+    by_name = {rank: {r.name: r for r in regions} for rank, regions in remote_by_rank.items()}
+    out: dict[int, tuple[list[LayerRegion], list[LayerRegion]]] = {rank: ([], []) for rank in order}
+    for region in local:
+        if not region.segments:
+            raise ShardError(
+                f"{region.name}: this layer's layout is not described per TP shard "
+                "(unsupported layer type or KV-cache layout for different TP sizes)"
+            )
+        remotes = []
+        for rank in order:
+            remote = by_name.get(rank, {}).get(region.name)
+            if remote is None:
+                raise ShardError(f"prefill rank {rank} has no layer {region.name}")
+            if remote.group != region.group:
+                raise ShardError(f"{region.name}: group {region.group} here, {remote.group} on prefill rank {rank}")
+            remotes.append((rank, remote))
+        remote_of = dict(remotes)
+        for piece in plan_region(region, remotes):
+            name = f"{region.name}@{piece.local_offset}"
+            mine, theirs = out[piece.source]
+            mine.append(
+                msgspec.structs.replace(
+                    region, name=name, addr=region.addr + piece.local_offset, page_bytes=piece.nbytes,
+                    rows=0, scratch_rows=0, segments=(),
+                )
+            )
+            source = remote_of[piece.source]
+            theirs.append(
+                msgspec.structs.replace(
+                    source, name=name, addr=source.addr + piece.remote_offset, page_bytes=piece.nbytes,
+                    rows=0, scratch_rows=0, segments=(),
+                )
+            )
+    return {rank: (tuple(mine), tuple(theirs)) for rank, (mine, theirs) in out.items()}

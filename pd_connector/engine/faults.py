@@ -1,0 +1,41 @@
+"""Test-only fault injection, in one place: inert unless the decode instance runs with
+``PD_CONNECTOR_FAULT_INJECTION=1``. The e2e negative controls use it to show that the output
+comparison catches a one-token desync or a corrupted recurrent state; never enable it in
+production."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ENV = "PD_CONNECTOR_FAULT_INJECTION"
+# kv_transfer_params keys a test adds on D's request:
+# resume this many tokens away from P's offset while still claiming P's real lease (the silent
+# desync of vLLM's implicit rule);
+RESUME_SHIFT = "_pd_fault_resume_shift"
+# flip the first byte of each recurrent-state page D received, as a corrupted transfer would.
+CORRUPT_STATE = "_pd_fault_corrupt_state"
+
+
+class Faults:
+    """What a request asks to have broken; every answer is "nothing" when disabled."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ):
+        self.enabled = environ.get(ENV) == "1"
+
+    def resume_shift(self, params: Mapping[str, Any]) -> int:
+        shift = params.get(RESUME_SHIFT) if self.enabled else None
+        return shift if isinstance(shift, int) and not isinstance(shift, bool) else 0
+
+    def corrupts_state(self, params: Mapping[str, Any]) -> bool:
+        return self.enabled and params.get(CORRUPT_STATE) is True
+
+
+def flip_first_bytes(pages) -> None:
+    """Corrupt each page (a uint8 tensor) the way a bad transfer would."""
+    for page in pages:
+        page[0] ^= 0xFF
+
+
+StateCorrupter = Callable[[list[list[int]]], None]

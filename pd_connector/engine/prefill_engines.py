@@ -1,0 +1,126 @@
+"""D's connections to prefill engines, on one TP rank: one background handshake per P engine
+(all the P ranks this rank pairs with), the shard plan when the TP sizes differ, and a transport
+peer per P rank (``engine_id#rank``). A failed connection is remembered until no load waits for
+it, so a later request retries (P may have restarted)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pd_connector.core import shards
+from pd_connector.core.protocol import PrefillRef
+from pd_connector.engine.metrics import Recorder
+from pd_connector.transport.nixl import NixlTransport
+from pd_connector.transport.prefill_calls import PrefillCalls
+
+logger = logging.getLogger("vllm.pd_connector")
+
+
+@dataclass
+class _Engine:
+    """A connected P engine: the transport peer key per paired P rank (None: this rank reads
+    nothing from it), and the P ranks' NIXL agent names (a restarted P has new ones)."""
+
+    sources: dict[int, str | None]
+    agents: dict[int, str]
+
+
+class PrefillEngines:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        calls: PrefillCalls,
+        submit: Callable[..., Future],
+        tp_rank: int,
+        tp_size: int,
+        recorder: Recorder,
+    ):
+        self.transport = transport
+        self._calls = calls
+        self._submit = submit
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.recorder = recorder
+        self.engines: dict[str, _Engine] = {}
+        self.errors: dict[str, tuple[str, str]] = {}  # engine id -> (why, kind)
+        self._connecting: dict[str, Future] = {}
+
+    def forget_errors(self) -> None:
+        if not self._connecting:
+            self.errors.clear()
+
+    def connect(self, prefill: PrefillRef) -> None:
+        """Start connecting to ``prefill``'s engine unless connected or connecting."""
+        key = prefill.engine_id
+        if key in self.engines or key in self._connecting:
+            return
+        ranks = shards.peer_ranks(prefill.tp_size, self.tp_size, self.tp_rank)
+        self._connecting[key] = self._submit(self._handshakes, prefill, ranks)
+
+    def _handshakes(self, prefill: PrefillRef, ranks: tuple[int, ...]):
+        return [(rank, *self._calls.handshake(prefill, rank)) for rank in ranks]
+
+    def finish_connects(self) -> None:
+        for key, future in list(self._connecting.items()):
+            if not future.done():
+                continue
+            del self._connecting[key]
+            try:
+                answers = future.result()
+                started = time.monotonic()
+                engine = self._add_engine(key, answers)
+            except shards.ShardError as exc:
+                self.errors[key] = (f"tensor-parallel layouts cannot be paired: {exc}", "tp_mismatch")
+                logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
+                continue
+            except Exception as exc:
+                self.errors[key] = (f"handshake failed: {exc}", "handshake")
+                logger.warning("pd_connector: handshake with prefill engine %s failed: %s", key, exc)
+                continue
+            self.engines[key] = engine
+            self.errors.pop(key, None)
+            self.recorder.observe("handshake_seconds", max(s for _, _, s in answers) + time.monotonic() - started)
+            logger.info(
+                "pd_connector: TP rank %d/%d connected to prefill engine %s (TP %d, ranks %s)",
+                self.tp_rank,
+                self.tp_size,
+                key,
+                answers[0][1].tp_size,
+                [rank for rank, _, _ in answers],
+            )
+
+    def _add_engine(self, key: str, answers) -> _Engine:
+        """Load the paired P ranks' agents and prepare what to read from each."""
+        p = answers[0][1].tp_size
+        welcome_of = {rank: welcome for rank, welcome, _ in answers}
+        if p == self.tp_size:
+            plans = {rank: (None, tuple(w.regions)) for rank, w in welcome_of.items()}
+        else:
+            remote = {rank: w.regions for rank, w in welcome_of.items()}
+            plans = shards.shard_regions(self.transport.regions, remote, [rank for rank, _, _ in answers])
+        sources: dict[int, str | None] = {}
+        for rank, (local, regions) in plans.items():
+            if local is not None and not local:
+                sources[rank] = None  # every unit this rank holds is read from another
+                continue
+            peer = f"{key}#{rank}"
+            welcome = welcome_of[rank]
+            self.transport.remove_peer(peer)
+            self.transport.add_peer(
+                peer, welcome.agent_metadata, regions, agent_name=welcome.agent_name, local_regions=local
+            )
+            # Connect now, while the claim is in flight, not in the first READ.
+            self.transport.connect(peer)
+            sources[rank] = peer
+        return _Engine(sources, {rank: w.agent_name for rank, w in welcome_of.items()})
+
+    def drop(self, key: str) -> None:
+        engine = self.engines.pop(key, None)
+        if engine is not None:
+            for peer in engine.sources.values():
+                if peer is not None:
+                    self.transport.remove_peer(peer)
+
