@@ -4,7 +4,7 @@ STAMP := $(VENV)/.pd-installed
 
 .PHONY: demo test unit venv clean-venv
 
-$(STAMP): requirements/cpu.txt pyproject.toml scripts/setup_venv.sh
+$(STAMP): requirements/cpu.txt pyproject.toml scripts/setup_venv.sh scripts/setup_router_venv.sh
 	bash scripts/setup_venv.sh
 	touch $@
 
@@ -23,4 +23,4 @@ unit: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-router

@@ -17,6 +17,8 @@ if [ -d /opt/wheels ]; then PIP_EXTRA=(--find-links /opt/wheels); else PIP_EXTRA
 "${PIP[@]}" install -q --no-deps -e .
 # The benchmarks' PNG plots (optional extra "bench"; they print tables and write JSON without it).
 "${PIP[@]}" install -q "matplotlib>=3.7"
+# vllm-router, the production P/D router, in its own venv (.venv-router): the e2e tests drive it.
+bash scripts/setup_router_venv.sh
 .venv/bin/python -c "import vllm, nixl, pd_connector.connector" 2>/dev/null || {
   echo "setup_venv: the environment does not import vllm/nixl/pd_connector" >&2; exit 1; }
 echo "setup_venv: .venv ready"

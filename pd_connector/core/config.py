@@ -28,6 +28,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # reachable from D; loopback by default so nothing is exposed unless configured.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # P's floor on the prompt tokens it leaves D to recompute (0: P's own minimum only), for
+    # routers that cannot pass D's requirement per request (pd_min_recompute_tokens): a D that
+    # runs multi-module MTP with more speculative tokens than P refuses a shorter tail.
+    min_recompute_tokens: int = 0
     # How long P keeps a finished request's blocks for D before freeing them.
     lease_seconds: float = 120.0
     # D gives up on a P that does not answer the handshake within this time (recompute).
@@ -110,6 +114,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
         if self.nixl_ucx_error_handling not in UCX_ERROR_HANDLING_MODES:
             raise ValueError(f"nixl_ucx_error_handling must be 'peer' or 'none', got {self.nixl_ucx_error_handling!r}")
+        if self.min_recompute_tokens < 0:
+            raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
         if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):

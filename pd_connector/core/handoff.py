@@ -65,16 +65,21 @@ def choose_replay_offset(
     num_prompt_tokens: int,
     profile: RecomputeProfile,
     requested_min_recompute: int = 0,
+    configured_min_recompute: int = 0,
 ) -> int:
     """P's single decision: how many prompt tokens to compute and hand over.
 
-    ``requested_min_recompute`` is D's own requirement when the router passes it (the
-    ``pd_min_recompute_tokens`` field), so P picks an offset D will accept. The result lies in
-    ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole prompt.
+    The recompute tail left to D is the largest of three floors: P's own
+    (``min_recompute_tokens(profile)``), ``requested_min_recompute``, D's requirement when the
+    router passes it (the ``pd_min_recompute_tokens`` field), and ``configured_min_recompute``,
+    P's ``min_recompute_tokens`` setting, for routers that pass no hint (vllm-router replaces
+    the whole ``kv_transfer_params`` it sends P) in front of decode instances that need a longer
+    tail than P's own. The result lies in ``[0, N)``; 0 means "nothing worth handing over": D
+    recomputes the whole prompt.
     """
     if num_prompt_tokens <= 0:
         return 0
-    tail = max(min_recompute_tokens(profile), max(0, requested_min_recompute))
+    tail = max(min_recompute_tokens(profile), requested_min_recompute, configured_min_recompute, 0)
     offset = num_prompt_tokens - tail
     grid = profile.replay_grid
     if grid > 0:

@@ -168,7 +168,7 @@ class SchedulerHalf:
         offset = 0
         if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
             # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
-            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
+            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested, self.settings.min_recompute_tokens)
         self._p_offsets[request.request_id] = offset
         if offset > 0:
             drop = request.num_prompt_tokens - offset

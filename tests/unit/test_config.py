@@ -37,6 +37,7 @@ def test_defaults():
     assert s.verify_state_digest is False
     assert s.claim_wait_seconds == 5.0
     assert s.read_warn_seconds == 5.0
+    assert s.min_recompute_tokens == 0
     assert s.secret == b""
     assert parse({}) == parse(None)
 
@@ -61,6 +62,7 @@ def test_defaults_do_not_share_mutable_lists():
         ("claim_wait_seconds", 0.5),
         ("read_warn_seconds", 30.0),
         ("nixl_ucx_error_handling", "none"),
+        ("min_recompute_tokens", 3),
     ],
 )
 def test_each_key_is_honoured(key, value):
@@ -82,6 +84,7 @@ def test_each_key_is_honoured(key, value):
         ("claim_wait_seconds", "1.5", 1.5),
         ("read_warn_seconds", "2", 2.0),
         ("nixl_ucx_error_handling", "none", "none"),
+        ("min_recompute_tokens", "2", 2),
     ],
 )
 def test_env_override(key, env_value, expected):
@@ -227,6 +230,7 @@ def test_string_port_in_config_is_refused():
         ("nixl_ucx_error_handling", "off"),
         ("nixl_ucx_error_handling", "PEER"),
         ("nixl_num_threads", -1),
+        ("min_recompute_tokens", -1),
         ("nixl_backends", []),
         ("nixl_backends", [""]),
         ("nixl_backends", [" "]),

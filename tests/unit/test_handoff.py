@@ -661,3 +661,55 @@ def test_group_count_mismatch_is_refused_before_the_offset_requirement():
     assert isinstance(decide_on_decode(returned_params(30, [[1], [2]]), 33, profile, num_groups=2), Accepted)
     # Nothing handed over (offset 0, no block lists) is never a layout mismatch.
     assert isinstance(decide_on_decode(returned_params(0, []), 33, profile, num_groups=2), Accepted)
+
+
+# --- P's configured floor (min_recompute_tokens setting): routers that send no hint -------------
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(-10, 6000), st.integers(0, 6000))
+def test_configured_floor_is_one_more_floor_on_the_tail(n, profile, requested, configured):
+    """R = N - max(P's own minimum, the router's request, P's setting), then the grid: the
+    setting acts exactly as a request of the same size would, whichever of the two is larger."""
+    got = choose_replay_offset(n, profile, requested, configured)
+    assert got == choose_replay_offset(n, profile, max(requested, configured))
+    assert got == choose_replay_offset(n, profile, configured, requested)
+    if got > 0:
+        assert n - got >= max(min_recompute_tokens(profile), requested, configured)
+
+
+@FAST
+@given(prompt_lengths, profiles, st.integers(0, 6000))
+def test_configured_floor_zero_changes_nothing(n, profile, requested):
+    assert choose_replay_offset(n, profile, requested, 0) == choose_replay_offset(n, profile, requested)
+
+
+@FAST
+@given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
+def test_choose_offset_monotone_in_configured_floor(n, profile, c1, c2):
+    lo, hi = sorted((c1, c2))
+    assert choose_replay_offset(n, profile, 0, hi) <= choose_replay_offset(n, profile, 0, lo)
+
+
+@MANY
+@given(prompt_lengths, skew_profiles, skew_profiles, st.integers(0, 4))
+def test_skew_d_accepts_when_p_is_configured_with_d_requirement_and_no_hint(n, p_profile, d_profile, extra):
+    """A router that sends no pd_min_recompute_tokens (vllm-router): P's setting at D's
+    requirement (or above) makes every handoff one D honours."""
+    offset = choose_replay_offset(n, p_profile, 0, min_recompute_tokens(d_profile) + extra)
+    d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
+    assert isinstance(d, Accepted), (p_profile, d_profile, d)
+    assert d.offset == offset
+
+
+def test_skew_mtp_mismatch_is_honoured_with_the_configured_floor():
+    """P MTP 1 token, D MTP 3 (needs 2): without the setting every handoff is refused, with
+    ``min_recompute_tokens: 2`` on P each one is honoured at N - 2."""
+    p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
+    d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3)
+    for n in (33, 64, 129):
+        refused(returned_params(choose_replay_offset(n, p_profile), [[7]]), n=n, profile=d_profile,
+                kind="offset_above_requirement")
+        floored = choose_replay_offset(n, p_profile, 0, 2)
+        assert floored == n - 2
+        assert isinstance(decide_on_decode(returned_params(floored, [[7]]), n, d_profile), Accepted)

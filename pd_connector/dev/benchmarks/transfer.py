@@ -23,6 +23,10 @@ Sections (``--sections``):
   first   first-request cost: agent creation, registration, add_peer, connect, first READ.
   perdesc DRAM: what NIXL + UCX add per descriptor above the kernel's own copy (4096
           descriptors of 64 B, 4 KiB, 64 KiB, one READ, vs process_vm_readv of the same ranges).
+  tcp     DRAM, root: P and D as two processes on two "hosts" (network namespaces joined by a
+          veth link, boot ids of their own), where UCX picks tcp by itself: the connector's READ
+          vs raw NIXL vs D's local memcpy, and the transport UCX's tables name
+          (``transfer_tcp``). Skipped with the reason where namespaces cannot be made.
 
   pd-connector bench transfer --quick
   pd-connector bench transfer --device cuda      (GPU machines: registers VRAM)
@@ -100,6 +104,23 @@ def section_first(args) -> dict:
     return out
 
 
+def section_tcp(args, results: dict) -> dict:
+    """The connector vs raw NIXL over a TCP link between two namespaced hosts."""
+    from pd_connector.dev.benchmarks import transfer_tcp
+
+    out = transfer_tcp.run(args, small_block_cases(args, 4096))
+    if "skipped" in out:
+        print(f"\n== tcp: skipped ({out['skipped']}) ==", flush=True)
+        return out
+    picked = ", ".join(out["read_configs"]) or "no UCX_PROTO_INFO table found"
+    where = "inter-node" if out["inter_node"] else "INTRA-NODE"
+    print(f"\n== tcp: P and D on two hosts (network namespaces, veth link); UCX's READ went over {picked} "
+          f"({where}); GB/s medians, c/raw = connector relative to raw NIXL, memcpy = D's local copy ==", flush=True)
+    results["tcp"] = [Result(**r) for r in out["results"]]
+    out["table"] = print_results(results["tcp"], ("connector", "raw", "memcpy"), "")
+    return {k: v for k, v in out.items() if k != "results"}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="pd-connector bench transfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +144,7 @@ def parse_args(argv=None):
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM without worker threads only; 0 = one post)")
-    sections = ["main", "layout", "stall", "knobs", "first", "perdesc"]
+    sections = ["main", "layout", "stall", "knobs", "first", "perdesc", "tcp"]
     ap.add_argument("--sections", nargs="+", choices=sections,
                     help="default: all; --quick leaves out knobs (a fresh agent pair per setting)")
     ap.add_argument("--check-vllm", action="store_true",
@@ -210,6 +231,8 @@ def main(argv=None) -> int:
         data["tables"]["perdesc"] = report.print_table(
             rows, ["bytes", "descriptors", ("nixl_us", "NIXL µs", ".2f"), ("kernel_us", "kernel µs", ".2f"),
                    ("nixl_minus_kernel_us", "NIXL - kernel µs", ".2f")])
+    if "tcp" in args.sections and args.device == "cpu":
+        data["tcp_link"] = section_tcp(args, results)
     data.update({k: [asdict(r) for r in v] for k, v in results.items()})
     data["knobs"] = knob_rows
     data["missing_notifications"] = sum(paths.MISSING_NOTIFS)

@@ -68,10 +68,8 @@ class Bench:
         return f"bench-{self._n}".encode()
 
     def sides(self, model, tokens, user_block, scattered, block_outer, budget):
-        geom = geometry(MODELS[model], user_block, tokens, budget, self.kernel_block)
-        n_attn = math.ceil(tokens / geom.block_size)
-        counts = [n_attn if kind == "attention" else 1 for kind, _ in geom.groups]
-        num_blocks = int(sum(counts) * self.args.pool_factor) + 2  # + the null block and a spare
+        geom, counts, num_blocks = case_geometry(model, tokens, user_block, budget, self.kernel_block,
+                                                 self.args.pool_factor)
         p_side = build_side(geom, num_blocks, block_outer, self.device, seed=1)
         d_side = build_side(geom, num_blocks, block_outer, self.device, seed=None)
         p_ids = choose_blocks(self.rng, num_blocks, counts, scattered, start=1)
@@ -158,6 +156,16 @@ class Bench:
             raise ValueError(variant)
         paths.drain(self.p_t)
         return st
+
+
+def case_geometry(model: str, tokens: int, user_block: int, budget: int, kernel_block: int, pool_factor: float):
+    """(geometry, blocks per group, pool blocks) of one case: the same on both sides of a pair,
+    also when P and D are two processes (``transfer_tcp``)."""
+    geom = geometry(MODELS[model], user_block, tokens, budget, kernel_block)
+    n_attn = math.ceil(tokens / geom.block_size)
+    counts = [n_attn if kind == "attention" else 1 for kind, _ in geom.groups]
+    num_blocks = int(sum(counts) * pool_factor) + 2  # + the null block and a spare
+    return geom, counts, num_blocks
 
 
 def progress_delay(args, mem_type: str) -> int:

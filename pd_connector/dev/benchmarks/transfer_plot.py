@@ -16,7 +16,7 @@ def plot(plt, results: dict, knob_rows) -> object | None:
     main = results.get("main", [])
     models = list(dict.fromkeys(r.model for r in main))
     blocks = list(dict.fromkeys(r.user_block for r in main))
-    extra = [s for s in ("layout", "stall") if results.get(s)]
+    extra = [s for s in ("layout", "stall", "tcp") if results.get(s)]
     if not models and not extra:
         return None
     ncols = max(len(blocks), len(extra), 1)

@@ -15,6 +15,9 @@ Nothing in here is imported by the connector itself. The submodules are:
 - ``speculative_models``: the tiny Qwen3-Next with MTP modules and an EAGLE-1 drafter.
 - ``spec_matrix``: kv_both instances per speculative config, the P x D skew matrix, bf16 oracle.
 - ``scheduler_harness``: vLLM's in-process Scheduler with PDConnector (tests/vllm, benchmarks).
+- ``netns``: two "hosts" on one machine (network, UTS and mount namespaces, a boot id each),
+  for P and D that UCX must reach over TCP; ``ucx_logs`` reads UCX's ``UCX_PROTO_INFO`` tables.
+- ``router``: vllm-router (its own venv, ``.venv-router``) in P/D mode in front of test servers.
 
 Submodules are imported lazily by the caller so that ``import pd_connector.dev.testing`` stays cheap
 (``tiny_models`` pulls in torch and transformers).

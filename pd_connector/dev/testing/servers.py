@@ -87,13 +87,17 @@ class VllmServer:
         cwd: str | os.PathLike | None = None,
         python: str = sys.executable,
         stop_grace_s: float = 30.0,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name
         self.host = host
-        self.port = port if port is not None else free_port(host)
+        self.port = port if port is not None else free_port(host if not command_prefix else "127.0.0.1")
         self.base_url = f"http://{host}:{self.port}"
+        # command_prefix runs the server elsewhere (netns.Host.prefix: another network
+        # namespace); it must exec in place so that the PID started is the server's.
         self.cmd: list[str] = [
+            *command_prefix,
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--served-model-name", served_model_name,

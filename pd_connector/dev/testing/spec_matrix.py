@@ -104,15 +104,18 @@ SETUPS: dict[str, SpecSetup] = {
 }
 
 
-def expected_outcome(p: SpecSetup, d: SpecSetup, num_prompt_tokens: int, hint: bool = False) -> tuple[str, int]:
+def expected_outcome(
+    p: SpecSetup, d: SpecSetup, num_prompt_tokens: int, hint: bool = False, p_floor: int = 0
+) -> tuple[str, int]:
     """(outcome, replay offset P offers) for one handoff, by the connector's own rule.
 
     A different drafter KV means different KV-cache layouts: the handshake refuses the pair and D
     recomputes. Otherwise D honours P's offset iff it leaves D's own minimum tail; with the
-    router's hint (``pd_min_recompute_tokens``) P backs off far enough for D.
+    router's hint (``pd_min_recompute_tokens``), or P's ``min_recompute_tokens`` setting
+    (``p_floor``) at D's minimum, P backs off far enough for D.
     """
     requested = min_recompute_tokens(d.profile) if hint else 0
-    offset = choose_replay_offset(num_prompt_tokens, p.profile, requested)
+    offset = choose_replay_offset(num_prompt_tokens, p.profile, requested, p_floor)
     if offset == 0:
         return HONOURED, 0  # nothing to hand over: D prefills, nothing to refuse
     if p.drafter_kv != d.drafter_kv:

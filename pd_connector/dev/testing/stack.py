@@ -66,6 +66,15 @@ class StackConfig:
     # Tensor-parallel sizes; the baseline runs at D's (the oracle is aggregated serving there).
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Namespaced hosts (netns.Host) for P and D: each server runs on its host and listens on its
+    # address, P's side channel included. None: loopback of this machine.
+    prefill_host: Any = None
+    decode_host: Any = None
+
+
+def _placed(host) -> dict[str, Any]:
+    """VllmServer arguments that run a server on a namespaced host (netns.Host), or nothing."""
+    return {"host": host.address, "command_prefix": host.prefix} if host is not None else {}
 
 
 class PDStack:
@@ -90,6 +99,8 @@ class PDStack:
             binds = dict(zip(roles, cpu_binds([tp[role] for role in roles])))
         else:
             binds = {role: ("auto", {}) for role in roles}
+        p_host, d_host = config.prefill_host, config.decode_host
+        p_extra = {**config.extra_config, **({"side_channel_host": p_host.address} if p_host else {})}
         self.prefill = VllmServer(
             config.model,
             extra_args=[
@@ -97,11 +108,12 @@ class PDStack:
                 *tp_args(config.prefill_tp),
                 *config.prefill_args,
                 "--kv-transfer-config",
-                kv_transfer_config("kv_producer", self.side_channel_port, config.device, **config.extra_config),
+                kv_transfer_config("kv_producer", self.side_channel_port, config.device, **p_extra),
             ],
             env={**env, **binds["prefill"][1], **config.prefill_env},
             omp_threads_bind=binds["prefill"][0],
             log_path=self.log_dir / "prefill.log",
+            **_placed(p_host),
             **common,
         )
         self.decode = VllmServer(
@@ -116,6 +128,7 @@ class PDStack:
             env={**env, **binds["decode"][1], **config.decode_env},
             omp_threads_bind=binds["decode"][0],
             log_path=self.log_dir / "decode.log",
+            **_placed(d_host),
             **common,
         )
         self.baseline = None

@@ -1,0 +1,166 @@
+"""vllm-router (PyPI, ``--vllm-pd-disaggregation``), the production router, in front of two P and
+two D PDConnector instances: completions and chat, streamed and not, equal to aggregated serving,
+and every P and every D took part in real handoffs (D's ``external_kv_transfer`` prompt tokens).
+
+vllm-router knows nothing of pd_connector: it sends P NixlConnector's prefill request and
+forwards the ``kv_transfer_params`` P returns to D untouched. Installed in its own venv by
+``scripts/setup_router_venv.sh`` (``make venv`` / ``scripts/setup_venv.sh`` run it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from pd_connector.dev.testing.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, random_prompt
+from pd_connector.dev.testing.oracle import compare, complete
+from pd_connector.dev.testing.placement import cpu_binds
+from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.testing.router import VllmRouter, router_binary
+from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
+from pd_connector.dev.testing.stack import kv_transfer_config
+from pd_connector.dev.testing.tiny_models import build_model
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(router_binary() is None, reason="vllm-router is not installed: run scripts/setup_router_venv.sh"),
+]
+
+MAX_TOKENS = 12
+
+
+def check(reference, candidate):
+    return compare(reference, candidate, tie_margin=1e-5, logprob_tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pools(models_root, artifacts):
+    """Aggregated baseline, P1, P2, D1, D2 (all at once: unpinned, one OpenMP thread each) and
+    vllm-router over the P and D pools, round robin."""
+    model = build_model("llama", models_root)
+    log_dir = artifacts / "vllm_router"
+    binds = iter(cpu_binds(5))
+    settings = E2E_EXTRA_CONFIG["llama"]
+
+    def server(name: str, role: str | None) -> VllmServer:
+        bind, bind_env = next(binds)
+        kv = ["--kv-transfer-config", kv_transfer_config(role, free_port(), "cpu", **settings)] if role else []
+        return VllmServer(model, extra_args=[*CPU_MODELS["llama"], *kv], env={**source_checkout_env(), **bind_env},
+                          omp_threads_bind=bind, log_path=log_dir / f"{name}.log")
+
+    baseline = server("baseline", None)
+    prefills = [server(f"prefill{i}", "kv_producer") for i in (1, 2)]
+    decodes = [server(f"decode{i}", "kv_consumer") for i in (1, 2)]
+    servers = [baseline, *prefills, *decodes]
+    start_many(servers, timeout=900)
+    try:
+        with VllmRouter([p.base_url for p in prefills], [d.base_url for d in decodes],
+                        log_path=log_dir / "vllm-router.log") as router:
+            yield SimpleNamespace(baseline=baseline, prefills=prefills, decodes=decodes, router=router)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def event(server, name: str) -> float:
+    return server.metric("vllm:pd_events_total", {"event": name}) or 0.0
+
+
+def external_tokens(server) -> float:
+    return server.metric("vllm:prompt_tokens_by_source", {"source": "external_kv_transfer"}) or 0.0
+
+
+def counters(pools) -> dict:
+    return {
+        "offered": [event(p, "handoff_offered") for p in pools.prefills],
+        "accepted": [event(d, "handoff_accepted") for d in pools.decodes],
+        "external": [external_tokens(d) for d in pools.decodes],
+    }
+
+
+def wait_for_handoffs(pools, before: dict, per_instance: int, timeout: float = 15.0) -> dict:
+    """Every P offered and every D accepted at least ``per_instance`` more handoffs, and every D
+    counted prompt tokens from P (vLLM publishes a step's stats a little later: poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = counters(pools)
+        moved = {k: [a - b for a, b in zip(now[k], before[k])] for k in now}
+        done = (min(moved["offered"]) >= per_instance and min(moved["accepted"]) >= per_instance
+                and min(moved["external"]) > 0)
+        if done or time.monotonic() > deadline:
+            return moved
+        time.sleep(0.3)
+
+
+def post(url: str, body: dict, stream: bool = False):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        raw = resp.read().decode()
+    if not stream:
+        return json.loads(raw)
+    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", raw[-500:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completions_through_vllm_router_match_aggregated(pools):
+    """Token-id prompts on and around block boundaries, non-streamed with logprobs (the
+    margin-aware oracle) and streamed (text); round robin sends each pool's instances in turn."""
+    before = counters(pools)
+    router = pools.router.url
+    failures = []
+    lengths = (31, 33, 64, 97, 150, 250)
+    for n in lengths:
+        prompt = random_prompt(n, seed=41)
+        ref = complete(pools.baseline.base_url, "tiny", prompt, MAX_TOKENS)
+        verdict = check(ref, complete(router, "tiny", prompt, MAX_TOKENS))
+        if not verdict.ok:
+            failures.append(f"n={n}: {verdict.describe()}")
+    for n in (45, 130):
+        prompt = random_prompt(n, seed=42)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        ref = post(pools.baseline.base_url + "/v1/completions", body)["choices"][0]["text"]
+        chunks = post(router + "/v1/completions", {**body, "stream": True}, stream=True)
+        got = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        if got != ref:
+            failures.append(f"streamed n={n}: {got!r} != {ref!r}")
+    assert not failures, "\n".join(failures)
+    moved = wait_for_handoffs(pools, before, per_instance=len(lengths) // 2)
+    assert min(moved["offered"]) >= len(lengths) // 2 and min(moved["accepted"]) >= len(lengths) // 2, moved
+    assert min(moved["external"]) > 0, f"a decode instance loaded nothing from P: {moved}"
+
+
+def test_chat_through_vllm_router_matches_aggregated(pools):
+    before = counters(pools)
+    router = pools.router.url
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 6}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    ref = post(pools.baseline.base_url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    for _ in range(2):  # round robin: both P and both D
+        assert post(router + "/v1/chat/completions", body)["choices"][0]["message"]["content"] == ref
+        chunks = post(router + "/v1/chat/completions", {**body, "stream": True}, stream=True)
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ref
+    moved = wait_for_handoffs(pools, before, per_instance=2)
+    assert min(moved["accepted"]) >= 2 and min(moved["external"]) > 0, moved
+
+
+def test_no_blocks_held_after_the_router_tests(pools):
+    """Every lease ended (D's completion notification), so every P and D is back to an empty
+    KV cache."""
+    deadline = time.monotonic() + 60
+    usage = {}
+    while time.monotonic() < deadline:
+        usage = {s.log_path.stem: s.metric("vllm:kv_cache_usage_perc") for s in (*pools.prefills, *pools.decodes)}
+        if all(v == 0 for v in usage.values()):
+            return
+        time.sleep(1)
+    raise AssertionError(f"KV cache not released: {usage}")
