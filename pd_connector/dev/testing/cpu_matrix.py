@@ -59,7 +59,7 @@ TP_MODELS: dict[str, tuple[str, list[str]]] = {
     "llama_kv1": ("float32", ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"]),
     "nemotron_h": ("float32", CPU_MODELS["nemotron_h"]),
     "nemotron_h_g2": ("float32", CPU_MODELS["nemotron_h"]),
-    "qwen3_next_mtp": (
+    "qwen3_next_mtp_tp2": (
         "bfloat16",
         [
             "--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching",

@@ -37,13 +37,16 @@ GDN_WEIGHT_SCALES = {"linear_attn.in_proj_qkvz.weight": 2.0, "linear_attn.out_pr
 def write(kind: str, out: Path, tok, common: dict[str, Any], seed: int) -> None:
     if kind == "qwen3_next_mtp":
         _write_qwen3_next_mtp(out, common, seed)
+    elif kind == "qwen3_next_mtp_tp2":
+        # vLLM splits GDN's key heads over TP ranks: one key head cannot run at TP 2.
+        _write_qwen3_next_mtp(out, common, seed, key_heads=2)
     elif kind == "eagle_llama":
         _write_eagle_llama(out, tok, common, seed)
     else:  # pragma: no cover - tiny_models validates kinds first
         raise ValueError(f"unknown speculative model kind {kind!r}")
 
 
-def _write_qwen3_next_mtp(out: Path, common: dict[str, Any], seed: int) -> None:
+def _write_qwen3_next_mtp(out: Path, common: dict[str, Any], seed: int, key_heads: int = 1) -> None:
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -55,8 +58,8 @@ def _write_qwen3_next_mtp(out: Path, common: dict[str, Any], seed: int) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
+        linear_num_value_heads=2 * key_heads,
+        linear_num_key_heads=key_heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,

@@ -12,7 +12,8 @@ architectures that vLLM CPU 0.32.0 can serve (docs/testing.md, "Tiny models"):
   (GraniteMoeHybridForCausalLM).
 - ``qwen3_next_mtp``: Qwen3-Next (gated delta net linear attention + full attention, MoE), 8
   layers with full attention every 4th, plus 3 native MTP modules (``num_nextn_predict_layers``),
-  for ``{"method": "mtp"}`` speculative decoding (speculative_models.py).
+  for ``{"method": "mtp"}`` speculative decoding (speculative_models.py); ``qwen3_next_mtp_tp2``:
+  the same with two GDN key heads, so it runs at TP 2.
 - ``eagle_llama``: an EAGLE-1 drafter (one Llama layer) for the 64-wide targets above.
 
 Weights are saved in **float32**: bf16 is not stable across the P/D split on CPU (aggregated
@@ -42,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 MODEL_KINDS: tuple[str, ...] = (
-    "llama", "llama_kv1", "nemotron_h", "nemotron_h_g2", "granite_hybrid", "qwen3_next_mtp", "eagle_llama",
+    "llama", "llama_kv1", "nemotron_h", "nemotron_h_g2", "granite_hybrid", "qwen3_next_mtp", "qwen3_next_mtp_tp2",
+    "eagle_llama",
 )
 # Kinds built by speculative_models.py rather than from a transformers class alone.
-_BF16_KINDS = ("qwen3_next_mtp",)
+_BF16_KINDS = ("qwen3_next_mtp", "qwen3_next_mtp_tp2")
 
 # Bump whenever anything below changes the produced files: a cached model dir whose marker
 # carries another spec is rebuilt instead of silently reused.
