@@ -28,9 +28,10 @@ for req in requires("vllm"):
         continue
     print(re.sub(r"\[[^\]]*\]", "", req, count=1))  # constraints take no extras
 PYEOF
-"${PIP[@]}" install -q -c "$VENV/vllm-constraints.txt" -r requirements/vllm033.txt
+# --no-warn-conflicts: pip would list every vLLM dependency left out on purpose.
+"${PIP[@]}" install -q --no-warn-conflicts -c "$VENV/vllm-constraints.txt" -r requirements/vllm033.txt
 # vLLM imports xgrammar on the scheduler path; xgrammar declares triton (1 GB, no CPU backend).
-"${PIP[@]}" install -q --no-deps -c "$VENV/vllm-constraints.txt" xgrammar apache-tvm-ffi
+"${PIP[@]}" install -q --no-deps --no-warn-conflicts -c "$VENV/vllm-constraints.txt" xgrammar apache-tvm-ffi
 check=$(VLLM_TARGET_DEVICE=cpu "$PY" -c "
 import vllm.v1.core.sched.scheduler, pd_connector.connector, pd_connector.dev.testing.scheduler_harness
 from importlib.metadata import version
