@@ -1,11 +1,20 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
 VENV := .venv
 STAMP := $(VENV)/.pd-installed
+# vLLM 0.33 (CUDA wheel, no CPU build): its in-process scheduler only, next to CPU torch.
+VENV033 := .venv-vllm033
+STAMP033 := $(VENV033)/.pd-installed
+# What runs against vLLM 0.33: the in-process Scheduler suite and the unit tests that import vLLM.
+TESTS033 := tests/vllm tests/unit/test_leases.py
 
-.PHONY: demo test unit venv clean-venv
+.PHONY: demo test unit test-vllm033 venv clean-venv
 
 $(STAMP): requirements/cpu.txt pyproject.toml scripts/setup_venv.sh scripts/setup_router_venv.sh
 	bash scripts/setup_venv.sh
+	touch $@
+
+$(STAMP033): requirements/vllm033.txt scripts/setup_venv_vllm033.sh
+	bash scripts/setup_venv_vllm033.sh
 	touch $@
 
 venv: $(STAMP)
@@ -14,13 +23,20 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pd-connector demo
 
-# Everything: pure core, in-process vLLM Scheduler, real NIXL, end-to-end vLLM CPU servers.
-test: $(STAMP)
+# Everything on vLLM CPU 0.32 (pure core, in-process vLLM Scheduler, real NIXL, end-to-end vLLM
+# CPU servers), then the in-process Scheduler suite on vLLM 0.33.
+test: $(STAMP) $(STAMP033)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory test-vllm033
+
+# -rs: a test that cannot apply on 0.33 (NIXL, servers) says why it was skipped. vLLM's cache of
+# model inspections is keyed by module name, not version: one per environment.
+test-vllm033: $(STAMP033)
+	VLLM_CACHE_ROOT=$(VENV033)/vllm-cache $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -rs $(TESTS033)
 
 # The fast part only (no vLLM servers).
 unit: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
 
 clean-venv:
-	rm -rf $(VENV) .venv-router
+	rm -rf $(VENV) $(VENV033) .venv-router

@@ -139,6 +139,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33's default is True; with False VllmConfig refuses --enable-sleep-mode
+        # (_verify_kv_transfer_compat). vLLM 0.32 never asks: check_supported refuses it there.
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # vLLM's engine core asks this (resolve_kv_cache_layout, vllm/v1/engine/core.py
         # _initialize_kv_caches) before it builds the KV-cache groups: the first point where we

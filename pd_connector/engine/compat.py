@@ -1,4 +1,4 @@
-"""Translate vLLM 0.32 configuration objects into the pure core's plain values.
+"""Translate vLLM configuration objects (0.32 and 0.33) into the pure core's plain values.
 
 Everything that knows vLLM's class names lives here, so a vLLM upgrade touches one module.
 """
@@ -77,14 +77,38 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         # D's cache manager registers the state where it will look for it later.
         grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
     replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
-    spec_config = vllm_config.speculative_config
     return RecomputeProfile(
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
         bounded_replay_tokens=int(replay),
         replay_grid=grid,
-        eagle_drop=bool(grid and spec_config is not None and spec_config.use_eagle()),
+        eagle_drop=bool(grid and eagle_block_drop(vllm_config)),
     )
+
+
+def eagle_block_drop(vllm_config: Any) -> bool:
+    """vLLM's own rule for checkpointing Mamba state one unit early under speculative decoding.
+
+    ``SpeculativeConfig.use_eagle_block_drop()`` (vllm/config/speculative.py) in both versions:
+    0.32 = any EAGLE-family method (eagle, eagle3, mtp, dflash, dspark), 0.33 = only those whose
+    draft KV depends on the next token (``needs_eagle_block_drop``: not dflash/dspark); both
+    honour ``disable_eagle_block_drop``. 0.33's Scheduler also drops nothing when block hashes
+    cover lookahead tokens (``VllmConfig.num_hash_lookahead_tokens``), which vLLM keeps at 0
+    whenever a KV connector is configured."""
+    spec_config = vllm_config.speculative_config
+    if spec_config is None or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
+        return False
+    return bool(spec_config.use_eagle_block_drop())
+
+
+def kv_cache_config_from_groups_fn() -> Any:
+    """vLLM's ``get_kv_cache_config_from_groups(vllm_config, groups, available_memory)``:
+    vllm/v1/core/kv_cache_utils.py in 0.32, moved to vllm/v1/core/kv_cache_planning.py in 0.33."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    return get_kv_cache_config_from_groups
 
 
 def check_hybrid_kv_cache_manager(vllm_config: Any) -> None:
@@ -107,9 +131,25 @@ def check_hybrid_kv_cache_manager(vllm_config: Any) -> None:
         )
 
 
+def check_sleep_mode(vllm_config: Any) -> None:
+    """Sleep releases the KV cache's memory and wake maps new pages, but pd_connector does not
+    re-register them with NIXL (it has no ``unregister_kv_caches``/``restore_kv_caches``): a
+    peer's READ after a wake would copy stale pages. vLLM 0.33 refuses
+    ``--enable-sleep-mode`` itself when ``PDConnector.supports_sleep_mode`` says False
+    (``VllmConfig._verify_kv_transfer_compat``); 0.32 has no such hook, so we refuse here."""
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "enable_sleep_mode", False):
+        raise UnsupportedConfig(
+            "pd_connector does not support sleep mode: after a wake the KV cache lives in new "
+            "memory that pd_connector has not registered with NIXL; remove --enable-sleep-mode "
+            "(model_config.enable_sleep_mode) on both the prefill and the decode instance"
+        )
+
+
 def check_supported(vllm_config: Any) -> None:
     """Refuse, at start-up, what this version cannot transfer correctly."""
     check_hybrid_kv_cache_manager(vllm_config)
+    check_sleep_mode(vllm_config)
     parallel = vllm_config.parallel_config
     # Tensor parallelism is supported (core/shards.py); pipeline and decode-context parallelism
     # split the KV cache by layer or by token, which the page maps do not describe yet.

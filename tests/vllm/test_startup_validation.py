@@ -60,14 +60,15 @@ def test_secret_in_extra_config_is_refused_because_vllm_logs_it():
 
 
 def _vllm_config(model_dir, *, role="kv_consumer", extra=None, dtype="float32", disable_hma=None,
-                 block_size=16):
+                 block_size=16, sleep_mode=False):
     from vllm.config import (
         AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
         VllmConfig,
     )
 
     return VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype=dtype, seed=0, max_model_len=256),
+        model_config=ModelConfig(model=model_dir, dtype=dtype, seed=0, max_model_len=256,
+                                 enable_sleep_mode=sleep_mode),
         scheduler_config=SchedulerConfig(
             max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
             is_encoder_decoder=False, disable_hybrid_kv_cache_manager=disable_hma,
@@ -212,3 +213,29 @@ def test_hybrid_model_without_the_hybrid_kv_cache_manager_is_refused_naming_the_
     # does an attention-only model with HMA off.
     assert PDConnector.get_required_kvcache_layout(_vllm_config(hybrid_model_dir)) == "LBHNC"
     check_supported(_vllm_config(model_dir, disable_hma=True))
+
+
+def test_sleep_mode_is_refused_at_start_up(model_dir, monkeypatch):
+    """After a wake the KV cache lives in memory pd_connector never registered with NIXL.
+    vLLM 0.33 asks the connector (``supports_sleep_mode``) and refuses itself; 0.32 never asks,
+    so ``check_supported`` refuses. Either way the engine does not start."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.platforms import current_platform
+
+    from pd_connector.connector import PDConnector
+
+    assert PDConnector.supports_sleep_mode(None) is False
+    # The CPU platform has no sleep mode at all (ModelConfig: "Sleep mode is not supported on
+    # current platform"); pretend it has, to reach the connector's part.
+    monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
+    if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):  # vLLM 0.33
+        with pytest.raises(ValueError, match="PDConnector does not support sleep mode"):
+            _vllm_config(model_dir, sleep_mode=True)
+        # Negative control: it is our answer vLLM refuses on, not sleep mode as such.
+        monkeypatch.setattr(PDConnector, "supports_sleep_mode", classmethod(lambda cls, config: True))
+    config = _vllm_config(model_dir, sleep_mode=True)
+    assert config.model_config.enable_sleep_mode
+    for check in (PDConnector.get_required_kvcache_layout, check_supported):
+        with pytest.raises(UnsupportedConfig, match="remove --enable-sleep-mode"):
+            check(config)
+    check_supported(_vllm_config(model_dir))

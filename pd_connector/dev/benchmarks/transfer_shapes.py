@@ -2,7 +2,7 @@
 
 Per-layer page sizes are the real models' (bf16 KV and bf16 recurrent state, TP=1); only the
 number of layers is reduced when a case would not fit the byte budget (see ``geometry``).
-Memory is laid out the way vLLM 0.32 does it (``get_kv_cache_config_from_groups``): one
+Memory is laid out the way vLLM 0.32/0.33 do it (``get_kv_cache_config_from_groups``): one
 allocation per engine shared by every KV-cache group, layer l's page of block b at
 ``offset + l * layer_stride + b * block_stride``; hybrids group layers in equal-sized groups
 (attention + Mamba/GDN groups aliasing the same bytes) and pad the Mamba page to the attention
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pd_connector.core.protocol import LayerRegion
-from pd_connector.engine.compat import regions_from_kv_caches
+from pd_connector.engine.compat import kv_cache_config_from_groups_fn, regions_from_kv_caches
 
 GUARD = 4096
 MiB = 1 << 20
@@ -276,8 +276,9 @@ def child_check_vllm() -> None:
     """Cross-check ``placement`` (and each spec's page size) against vLLM's own
     ``get_kv_cache_config_from_groups``. The hybrid block size itself (``hybrid_block_size``) is
     not compared with ``Platform._align_hybrid_block_size`` here: that needs a full VllmConfig."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+
+    get_kv_cache_config_from_groups = kv_cache_config_from_groups_fn()
 
     report = []
     for mk, m in MODELS.items():

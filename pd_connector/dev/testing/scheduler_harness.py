@@ -1,7 +1,7 @@
 """In-process vLLM ``Scheduler`` with PDConnector: no engine, no worker, no GPU.
 
 Mirrors upstream ``tests/v1/kv_connector/unit/utils.py`` (not shipped in the wheel); signatures
-from vLLM 0.32.0. The worker is simulated by feeding
+from vLLM 0.32.0, unchanged in 0.33. The worker is simulated by feeding
 ``KVConnectorOutput`` back through ``update_from_output``. Used by tests/vllm (through
 tests/vllm/harness.py) and by ``pd_connector.dev.benchmarks.scheduler``, hence inside the package.
 """
@@ -18,7 +18,9 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
@@ -57,13 +59,15 @@ def make_scheduler(
     max_model_len: int = 1024,
     block_size: int = BLOCK,
     mamba_block_size: int | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
     hundreds of tokens (``Platform._align_hybrid_block_size``: attention page >= Mamba page) and
     Mamba groups ``max_model_len`` when prefix caching is off (one block per request,
     ``HybridAttentionMambaModelConfig`` in model_executor/models/config.py); the tests use
-    16 everywhere to exercise many blocks per group."""
+    16 everywhere to exercise many blocks per group. ``speculative``: ``--speculative-config``'s
+    fields (vLLM builds the config, drafter model included, as the engine would)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -87,8 +91,15 @@ def make_scheduler(
         kv_buffer_device="cpu",
         kv_connector_extra_config=extra_config or {},
     )
+    speculative_config = None
+    if speculative is not None:
+        # As EngineArgs.create_speculative_config does (vllm/engine/arg_utils.py).
+        speculative_config = SpeculativeConfig(
+            **speculative, target_model_config=model_config, target_parallel_config=ParallelConfig()
+        )
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,
+        speculative_config=speculative_config,
         model_config=model_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
