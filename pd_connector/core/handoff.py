@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import msgspec
 
+from collections.abc import Callable
+
 from pd_connector.core.protocol import (
     KEY_MIN_RECOMPUTE,
+    MAX_DECODE_REQUESTS,
     PROTOCOL_VERSION,
     HandoffParams,
     ProtocolError,
@@ -40,8 +43,11 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     # EAGLE/EAGLE3/single-module MTP, K for multi-module MTP with K speculative tokens. The last
     # ``lookahead - 1`` prompt positions of the drafter's KV depend on tokens P never had.
     prefill_lookahead: int = 0
-    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``).
-    bounded_replay_tokens: int = 0
+    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``, DeepSeek-V4.1):
+    # their window is laid out for the next token only, so D recomputes at least one token
+    # (vLLM's ``_prefill_backoff`` backs off 1 for them, not the window: a P/D load restores
+    # the window, ``Scheduler._load_restores_replay_window``). The >= 1 floor covers it.
+    bounded_replay: bool = False
     # Prefix caching in Mamba ``align`` mode stores recurrent state only on a grid of this many
     # tokens; an offset on the grid lets the receiving engine register the state where its own
     # cache manager will look for it. 0 = no grid.
@@ -58,7 +64,7 @@ def min_recompute_tokens(profile: RecomputeProfile) -> int:
     full hit by one token in ``Scheduler._update_waiting_for_remote_kv``); making that explicit
     keeps "D recomputes exactly N - R tokens" true for attention-only models too.
     """
-    return max(1, profile.prefill_lookahead - 1, profile.bounded_replay_tokens)
+    return max(1, profile.prefill_lookahead - 1)
 
 
 def choose_replay_offset(
@@ -89,6 +95,16 @@ def offered_offset(chosen: int, num_computed_tokens: int) -> int:
     tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
     it the state at another position is the silent desync this project exists to prevent."""
     return chosen if chosen > 0 and num_computed_tokens == chosen else 0
+
+
+def requested_decode_requests(raw: object) -> int | None:
+    """The router's ``pd_decode_requests``: an int in [1, MAX_DECODE_REQUESTS], 1 when absent,
+    None when malformed (the caller logs and uses 1)."""
+    if raw is None:
+        return 1
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= MAX_DECODE_REQUESTS:
+        return None
+    return raw
 
 
 def requested_min_recompute(raw: object) -> int | None:
@@ -124,7 +140,11 @@ Decision = Accepted | Refused
 
 
 def decide_on_decode(
-    raw_params: object, num_prompt_tokens: int, profile: RecomputeProfile, num_groups: int | None = None
+    raw_params: object,
+    num_prompt_tokens: int,
+    profile: RecomputeProfile,
+    num_groups: int | None = None,
+    prompt_digest: Callable[[int], str | None] | None = None,
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
@@ -136,6 +156,11 @@ def decide_on_decode(
     engines lay out their caches differently (e.g. a drafter with its own KV on one side only);
     that is checked before the offset, so the refusal names the structural cause, which no
     routing hint can fix, rather than an offset a hint would only move.
+
+    ``prompt_digest(R)`` is this instance's fingerprint of its own first R prompt tokens
+    (core/prompt_digest.py; None: the prompt cannot be fingerprinted, e.g. prompt embeddings).
+    Computed last, once everything cheaper passed; a handoff of another prompt is refused as
+    ``prompt_mismatch``. None skips the check.
     """
     try:
         params = decode_handoff_params(raw_params)
@@ -183,7 +208,30 @@ def decide_on_decode(
             ),
             params=params,
         )
+    if offset > 0 and prompt_digest is not None:
+        mismatch = _prompt_mismatch(prompt_digest(offset), params.pd_prompt_digest, offset, num_prompt_tokens)
+        if mismatch:
+            return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
     return Accepted(offset=offset, params=params)
+
+
+def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_tokens: int) -> str:
+    """Why the fingerprints differ ("" if they agree): both lengths, never a token."""
+    if mine is None:
+        return (
+            f"this {num_prompt_tokens}-token prompt cannot be fingerprinted (prompt embeddings), so "
+            f"the {offset} tokens the prefill instance computed cannot be checked against it"
+        )
+    if mine == theirs:
+        return ""
+    if not theirs:
+        return f"the prefill instance sent no prompt fingerprint for its {offset} tokens"
+    return (
+        f"the first {offset} tokens of this {num_prompt_tokens}-token prompt are not the prompt the "
+        f"prefill instance computed (fingerprint {mine}, P's {theirs}): the router sent the two "
+        "instances different prompts (a re-rendered chat template, another tokenizer, another "
+        "conversation)"
+    )
 
 
 __all__ = [
@@ -196,5 +244,6 @@ __all__ = [
     "decide_on_decode",
     "min_recompute_tokens",
     "offered_offset",
+    "requested_decode_requests",
     "requested_min_recompute",
 ]

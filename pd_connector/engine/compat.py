@@ -5,6 +5,7 @@ Everything that knows vLLM's class names lives here, so a vLLM upgrade touches o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -14,8 +15,8 @@ import msgspec
 from pd_connector.core.config import UnsupportedConfig
 from pd_connector.core.handoff import RecomputeProfile
 from pd_connector.core.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
+from pd_connector.core.prompt_digest import extra_keys
 from pd_connector.core.protocol import EngineCompat, GroupDesc, LayerRegion
-
 
 
 def _spec_kind(spec: Any) -> tuple[str, int]:
@@ -76,12 +77,14 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         # Align mode stores Mamba state at block boundaries only; hand over on that grid so
         # D's cache manager registers the state where it will look for it later.
         grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
-    replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
+    # A P/D load restores a bounded-replay window, so such groups need one recomputed token,
+    # not the window (vLLM's _prefill_backoff); see RecomputeProfile.bounded_replay.
+    bounded_replay = any((getattr(s, "prefix_replay_tokens", 0) or 0) > 0 for s in specs)
     spec_config = vllm_config.speculative_config
     return RecomputeProfile(
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
-        bounded_replay_tokens=int(replay),
+        bounded_replay=bounded_replay,
         replay_grid=grid,
         eagle_drop=bool(grid and spec_config is not None and spec_config.use_eagle()),
     )
@@ -266,8 +269,9 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
     if spec is not None and spec.uses_draft_kv_cache():
         draft = getattr(spec, "model", None) or ""
         speculative = f"{spec.method}:{os.path.basename(str(draft).rstrip('/'))}" if draft else str(spec.method)
+    identity = model_identity(model)
     return EngineCompat(
-        model=os.path.basename(str(model.model).rstrip("/")),
+        model=identity["model"],
         dtype=str(model.dtype),
         kv_cache_dtype=cache_dtypes(vllm_config, kv_cache_config, group_ids),
         groups=groups,
@@ -275,7 +279,79 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         device=str(vllm_config.kv_transfer_config.kv_buffer_device),
         speculative=speculative,
+        model_revision=identity["model_revision"],
+        tokenizer=identity["tokenizer"],
+        tokenizer_revision=identity["tokenizer_revision"],
+        quantization=identity["quantization"],
+        rope=identity["rope"],
+        max_model_len=identity["max_model_len"],
     )
+
+
+def _name(path_or_id: Any) -> str:
+    """A Hugging Face repo id whole (``org/name``: ``org1/X`` is not ``org2/X``); a local
+    directory by its last component, since P and D may mount the same weights at different
+    paths."""
+    text = str(path_or_id or "").rstrip("/")
+    if not text:
+        return ""
+    if os.path.isabs(text) or text.startswith((".", "~")) or os.path.isdir(text):
+        return os.path.basename(text)
+    return text
+
+
+def model_identity(model_config: Any) -> dict[str, Any]:
+    """What names the weights and positions P's pages were computed with, from vLLM's
+    ``ModelConfig`` (vllm/config/model.py): model and tokenizer with their revisions, the
+    quantization method, the RoPE parameters of the resolved config (``--hf-overrides`` and
+    rope scaling included: they move every position's rotation), and ``max_model_len`` only
+    under a scaled RoPE, where the rotation can depend on it (longrope picks its factors by it,
+    dynamic NTK scales with it); without scaling positions do not depend on it, and P and D may
+    differ (a P serving shorter prompts)."""
+    rope_parameters = getattr(getattr(model_config, "hf_text_config", None), "rope_parameters", None)
+    rope = ""
+    scaled = False
+    if isinstance(rope_parameters, dict) and rope_parameters:
+        rope = json.dumps(rope_parameters, sort_keys=True, default=str)
+        kinds = [p.get("rope_type", "default") for p in iter_rope_dicts(rope_parameters)]
+        scaled = any(kind != "default" for kind in kinds)
+    return {
+        "model": _name(model_config.model),
+        "model_revision": str(getattr(model_config, "revision", None) or ""),
+        "tokenizer": _name(getattr(model_config, "tokenizer", None) or model_config.model),
+        "tokenizer_revision": str(getattr(model_config, "tokenizer_revision", None) or ""),
+        "quantization": str(getattr(model_config, "quantization", None) or ""),
+        "rope": rope,
+        "max_model_len": int(getattr(model_config, "max_model_len", 0) or 0) if scaled else 0,
+    }
+
+
+def iter_rope_dicts(rope_parameters: dict) -> list[dict]:
+    """One dict per layer type when nested (vLLM's iter_rope_parameters), else the dict."""
+    nested = [v for v in rope_parameters.values() if isinstance(v, dict)]
+    return nested if nested and len(nested) == len(rope_parameters) else [rope_parameters]
+
+
+def sibling_group(request_id: str) -> str | None:
+    """The parent of an ``n > 1`` child request: vLLM names child i ``f"{i}_{parent_id}"``
+    (ParentRequest.get_child_info, vllm/v1/engine/parallel_sampling.py), and the parent id
+    carries a random suffix (InputProcessor.assign_request_id). None for other ids."""
+    index, sep, parent = request_id.partition("_")
+    return parent if sep and parent and index.isdigit() else None
+
+
+def prompt_extra_keys(request: Any, length: int) -> tuple | None:
+    """What besides the first ``length`` prompt tokens decides the state there
+    (core/prompt_digest.extra_keys), from vLLM's ``Request``; None when the prompt cannot be
+    fingerprinted (prompt embeddings: the state depends on tensors, not tokens)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    items = [
+        (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+        for f in getattr(request, "mm_features", None) or ()
+    ]
+    return extra_keys(items, getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), length)
 
 
 def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from pd_connector.core.protocol import EngineCompat, PrefillRef, ReadDone, encod
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
-from pd_connector.transport.prefill_calls import ClaimRequest, PrefillCalls
+from pd_connector.transport.prefill_calls import ClaimRequest, PeerRefused, PrefillCalls
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -132,23 +132,29 @@ class Receiver:
             self._refuse(request_id, task, "P's blocks could not be paired with this instance's", "pairing")
             return
         self._loads[request_id] = _Load(
-            task,
-            set(ranks),
-            reader=f"{self.engine_id}#{self.tp_rank}/{request_id}",
-            readers=shards.readers_per_rank(p, self.tp_size),
+            task, set(ranks), reader=self._reader(request_id), readers=shards.readers_per_rank(p, self.tp_size)
         )
         self._waiting.extend((request_id, rank) for rank in ranks)
         self._connect(task.prefill)
 
+    def _reader(self, request_id: str) -> str:
+        """This rank reading for D request ``request_id``: one of the readers P's lease counts."""
+        return f"{self.engine_id}#{self.tp_rank}/{request_id}"
+
     def release_all(self, task: ReleaseTask) -> None:
         """D's scheduler will not load this handoff: every P rank may free it (each D rank sends
-        it to the P ranks it pairs with, so every P rank hears it)."""
+        it to the P ranks it pairs with, so every P rank hears it), as the reader of
+        ``task.request_id`` (its n > 1 siblings keep the lease), or whole without one."""
+        reader, readers = "", 1
         try:
             ranks = shards.peer_ranks(task.prefill.tp_size, self.tp_size, self.tp_rank)
+            if task.request_id:
+                reader = self._reader(task.request_id)
+                readers = shards.readers_per_rank(task.prefill.tp_size, self.tp_size)
         except shards.ShardError:
             ranks = range(task.prefill.tp_size) if self.tp_rank == 0 else ()
         for rank in ranks:
-            self._executor.submit(self._calls.release, task.prefill, rank, task.reason)
+            self._executor.submit(self._calls.release, task.prefill, rank, task.reason, reader, readers)
 
     def extend(self, task: ExtendTask) -> None:
         """Extend on the P ranks this rank pairs with (each D rank covers its own)."""
@@ -226,6 +232,11 @@ class Receiver:
                 self._engine_errors[key] = (f"tensor-parallel layouts cannot be paired: {exc}", "tp_mismatch")
                 logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
                 continue
+            except PeerRefused as exc:
+                # P answered: it is told to release (_start_claims), unlike a P that did not.
+                self._engine_errors[key] = (f"handshake failed: {exc}", exc.kind)
+                logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
+                continue
             except Exception as exc:
                 self._engine_errors[key] = (f"handshake failed: {exc}", "handshake")
                 logger.warning("pd_connector: handshake with prefill engine %s failed: %s", key, exc)
@@ -288,7 +299,13 @@ class Receiver:
             elif key in self._engines:
                 task = load.task
                 request = ClaimRequest(
-                    task.prefill, rank, task.replay_offset, task.remote_block_ids or [], load.reader, load.readers
+                    task.prefill,
+                    rank,
+                    task.replay_offset,
+                    task.remote_block_ids or [],
+                    load.reader,
+                    load.readers,
+                    task.prompt_digest,
                 )
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()

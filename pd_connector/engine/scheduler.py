@@ -17,15 +17,27 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from pd_connector.core import handoff, pairing
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.leases import extension_interval
-from pd_connector.core.protocol import KEY_MIN_RECOMPUTE, PrefillRef, encode_handoff_params, release_target
-from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
+from pd_connector.core.leases import extension_interval, initial_lease
+from pd_connector.core.prompt_digest import prompt_digest
+from pd_connector.core.protocol import (
+    KEY_DECODE_REQUESTS,
+    KEY_MIN_RECOMPUTE,
+    PrefillRef,
+    encode_handoff_params,
+    release_target,
+)
+from pd_connector.engine.compat import (
+    layouts_from_kv_cache_config,
+    profile_from_vllm,
+    prompt_extra_keys,
+    sibling_group,
+)
 from pd_connector.engine.faults import Faults
 from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
 from pd_connector.engine.metrics import Recorder
@@ -60,6 +72,28 @@ class Admitted(msgspec.Struct):
     corrupt_state: bool
 
 
+class _Prefill(NamedTuple):
+    """P: what was decided for a request when it arrived (kept here, not in the request's
+    kv_transfer_params, which the client controls)."""
+
+    offset: int
+    digest: str = ""
+    decode_requests: int = 1
+
+
+_NOTHING = _Prefill(0)
+
+
+def _prompt_digest(request: "Request", length: int) -> str | None:
+    """This engine's fingerprint of the request's first ``length`` prompt tokens, or None if
+    it cannot have one (core/prompt_digest.py)."""
+    extra = prompt_extra_keys(request, length)
+    tokens = request.prompt_token_ids
+    if extra is None or tokens is None or len(tokens) < length:
+        return None
+    return prompt_digest(tokens, length, extra)
+
+
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
@@ -74,9 +108,14 @@ class SchedulerHalf:
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
-        # P: the offset chosen for each request in flight. Kept here, not in the request's
-        # kv_transfer_params, which the client controls.
-        self._p_offsets: dict[str, int] = {}
+        # P: what was decided for each request in flight.
+        self._p_offsets: dict[str, _Prefill] = {}
+        # P: handoffs of n > 1 siblings (one client request, vLLM's children "i_<parent>") by
+        # (parent, fingerprint), until their initial lease runs out: the first sibling's lease
+        # serves them all (vLLM returns one child's params for the whole request).
+        self._sibling_params: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+        # How long P keeps a handoff before D claims or extends it (P returns it in the params).
+        self._initial_lease = initial_lease(settings.claim_deadline_seconds, settings.lease_seconds)
         # Per-step outboxes, drained by build_connector_meta.
         self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
@@ -84,6 +123,9 @@ class SchedulerHalf:
         # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta).
         self._to_pair: list[Admitted] = []
         self._last_extend = time.monotonic()
+        # D: the shortest lease a P said it keeps a queued handoff (pd_lease_seconds), so the
+        # extensions of queued handoffs come every third of what P grants, not of our own.
+        self._shortest_p_lease = settings.lease_seconds
         # D: prefill engines a handoff was accepted from (one INFO line each).
         self._peers_seen: set[str] = set()
         logger.info(
@@ -127,10 +169,11 @@ class SchedulerHalf:
         return meta
 
     def _due_extensions(self) -> list[ExtendTask]:
-        """Every ``leases.extension_interval``, the handoffs still waiting for admission here,
-        per P (P's lease length is not in kv_transfer_params: this instance's stands in)."""
+        """Every ``leases.extension_interval`` of the shortest lease P said it keeps a handoff
+        (``pd_lease_seconds``; this instance's lease_seconds for a P that does not say), the
+        handoffs still waiting for admission here, per P."""
         now = time.monotonic()
-        if not self._decisions or now - self._last_extend < extension_interval(self.settings.lease_seconds):
+        if not self._decisions or now - self._last_extend < extension_interval(self._shortest_p_lease):
             return []
         self._last_extend = now
         return extend_tasks(d.params.prefill for d in self._decisions.values())
@@ -144,7 +187,7 @@ class SchedulerHalf:
         pending = self._decisions.pop(request.request_id, None)
         if pending is not None:
             # D finished (aborted) before admission: P still holds the blocks for us.
-            self._release(pending, "decode request finished before its KV was loaded")
+            self._release(request.request_id, pending, "decode request finished before its KV was loaded")
         if not params.get("do_remote_decode"):
             return False, None
         return self._finish_prefill(request, params, block_ids)
@@ -165,50 +208,108 @@ class SchedulerHalf:
             )
             self.recorder.count("bad_min_recompute")
             requested = 0
+        raw = params.get(KEY_DECODE_REQUESTS)
+        decode_requests = handoff.requested_decode_requests(raw)
+        if decode_requests is None:
+            logger.warning(
+                "pd_connector: request %s: ignoring %s=%r (expected an integer from 1 to %d)",
+                request.request_id,
+                KEY_DECODE_REQUESTS,
+                raw,
+                handoff.MAX_DECODE_REQUESTS,
+            )
+            self.recorder.count("bad_decode_requests")
+            decode_requests = 1
         offset = 0
-        if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
-            # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
+        # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
+        # fingerprint D could check (prompt_extra_keys): nothing to hand over.
+        if (
+            request.prompt_token_ids is not None
+            and getattr(request, "prompt_embeds", None) is None
+            and not request.get_skip_reading_prefix_cache()
+        ):
             offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
-        self._p_offsets[request.request_id] = offset
+        digest = ""
         if offset > 0:
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
             del request._all_token_ids[offset:]
             request.num_prompt_tokens = offset
+            digest = _prompt_digest(request, offset) or ""
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
+        self._p_offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
         # P's sampled token is thrown away by the router; stop after the prefill.
         request.max_tokens = 1
 
     def _finish_prefill(
         self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        chosen = self._p_offsets.pop(request.request_id, 0)
+        chosen = self._p_offsets.pop(request.request_id, _NOTHING)
         if request.status.name not in _FINISHED_OK:
             return False, None  # aborted or errored: nothing to hand over
-        offset = handoff.offered_offset(chosen, request.num_computed_tokens)
-        if offset != chosen:
+        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
+        if offset != chosen.offset:
             logger.warning(
                 "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
                 "nothing (the decode instance will prefill locally)",
                 request.request_id,
                 request.num_computed_tokens,
-                chosen,
+                chosen.offset,
             )
             self.recorder.count("p_offset_not_computed")
-        transfer_ids = tuple(block_ids[g] for g in self.group_ids)
-        source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
-        out = self._returned_params(request, offset, source)
+        source: list[list[int]] = []
+        if offset:
+            transfer_ids = tuple(block_ids[g] for g in self.group_ids)
+            try:
+                source = pairing.select_source_blocks(self.layouts, transfer_ids, offset)
+            except pairing.PairingError as exc:
+                # Inside EngineCore's request_finished: an exception here would take the engine
+                # down. Hand over nothing; D recomputes.
+                logger.warning("pd_connector: %s: cannot select the blocks to hand over: %s", request.request_id, exc)
+                self.recorder.count("p_pairing_failed")
+                offset = 0
+        now = time.monotonic()
+        if offset:
+            shared = self._shared_sibling_params(request.request_id, chosen.digest, now)
+            if shared is not None:
+                # This sibling's blocks are freed now; D reads its sibling's identical ones.
+                self.recorder.count("handoff_shared")
+                return False, shared
+        out = self._returned_params(request, offset, source, chosen.digest if offset else "")
         if not offset:
             return False, out
         self._to_send[request.request_id] = SendLease(
-            deadline=time.monotonic() + self.settings.lease_seconds,
+            deadline=now + self._initial_lease,
             offset=offset,
             block_ids=source,
+            digest=chosen.digest,
+            requests=chosen.decode_requests,
         )
+        parent = sibling_group(request.request_id)
+        if parent is not None:
+            self._sibling_params[(parent, chosen.digest)] = (now + self._initial_lease, out)
         self.recorder.count("handoff_offered")
         return True, out
 
-    def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
+    def _shared_sibling_params(self, request_id: str, digest: str, now: float) -> dict[str, Any] | None:
+        """The params of an n > 1 sibling's live handoff of the same prompt, if any. vLLM
+        returns one child's kv_transfer_params for the whole request (the last to finish,
+        vllm/v1/engine/output_processor.py), so a lease per child left n - 1 of them orphaned.
+        Entries are forgotten when their initial lease runs out (oldest first)."""
+        stale = []
+        for key, (until, _) in self._sibling_params.items():
+            if until > now:
+                break
+            stale.append(key)
+        for key in stale:
+            del self._sibling_params[key]
+        parent = sibling_group(request_id)
+        if parent is None:
+            return None
+        shared = self._sibling_params.get((parent, digest))
+        return dict(shared[1]) if shared is not None else None
+
+    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str) -> dict[str, Any]:
         return encode_handoff_params(
             offset,
             source,
@@ -217,13 +318,20 @@ class SchedulerHalf:
             host=self.settings.side_channel_host,
             port=self.settings.side_channel_port,
             tp_size=self._tp_size,
+            prompt_digest=digest,
+            lease_seconds=self._initial_lease if offset else None,
         )
 
     # -- D ---------------------------------------------------------------------------------
 
     def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
+        check_prompt = not self._faults.skips_prompt_check(params)
         decision = handoff.decide_on_decode(
-            params, request.num_prompt_tokens, self.profile, num_groups=len(self.layouts)
+            params,
+            request.num_prompt_tokens,
+            self.profile,
+            num_groups=len(self.layouts),
+            prompt_digest=(lambda length: _prompt_digest(request, length)) if check_prompt else None,
         )
         if isinstance(decision, handoff.Refused):
             self.recorder.count(f"refused:{decision.kind}")
@@ -235,11 +343,16 @@ class SchedulerHalf:
             )
             target = decision.params.prefill if decision.params is not None else release_target(params)
             if target is not None:
-                self._queue_release(target, f"refused ({decision.kind})")
+                self._queue_release(target, f"refused ({decision.kind}): {decision.reason}", request.request_id)
             return
+        if not check_prompt:
+            logger.warning("pd_connector: FAULT INJECTION: %s skips the prompt fingerprint check", request.request_id)
         if decision.offset == 0:
             self.recorder.count("handoff_empty")
             return
+        lease = decision.params.pd_lease_seconds
+        if lease is not None and lease < self._shortest_p_lease:
+            self._shortest_p_lease = lease
         shift = self._faults.resume_shift(params)
         if shift and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
@@ -276,7 +389,7 @@ class SchedulerHalf:
             return
         if num_external_tokens <= 0:
             # A local prefix hit (or the scheduler) covered everything P offered.
-            self._release(decision, "the local prefix cache covered the handoff")
+            self._release(request.request_id, decision, "the local prefix cache covered the handoff")
             return
         # KVCacheBlocks.blocks holds the request's KVCacheBlock list per group (the manager's
         # own lists); pairing turns into ids only the blocks it pairs (get_block_ids() would
@@ -330,6 +443,7 @@ class SchedulerHalf:
                 replay_offset=params.replay_offset,
                 remote_block_ids=params.remote_block_ids,
                 corrupt_state=admitted.corrupt_state,
+                prompt_digest=params.pd_prompt_digest,
             )
             recompute = admitted.num_prompt_tokens - decision.offset
             tails.append(recompute)
@@ -357,9 +471,11 @@ class SchedulerHalf:
         self.recorder.count("handoff_accepted", len(tails))
         self.recorder.observe_all("recompute_tokens", tails)
 
-    def _release(self, decision: handoff.Accepted, why: str) -> None:
+    def _release(self, request_id: str, decision: handoff.Accepted, why: str) -> None:
         logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
-        self._queue_release(decision.params.prefill, why)
+        self._queue_release(decision.params.prefill, why, request_id)
 
-    def _queue_release(self, prefill: PrefillRef, why: str) -> None:
-        self._to_release.append(ReleaseTask(prefill, why))
+    def _queue_release(self, prefill: PrefillRef, why: str, request_id: str = "") -> None:
+        """Tell P that D request ``request_id`` will not read ``prefill`` ("" : no D request
+        will), with the reason P logs."""
+        self._to_release.append(ReleaseTask(prefill, why, request_id))
