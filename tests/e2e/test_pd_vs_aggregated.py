@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT
+from pd_connector.core.protocol import PROTOCOL_VERSION
+from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
 from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +47,7 @@ def test_pd_matches_aggregated_at_block_boundaries(stack):
         params, got = stack.handoff(prompt, MAX_TOKENS)
         r = params["replay_offset"]
         assert r == max(0, n - 1), f"n={n}: P chose {r}"
-        assert params["pd_protocol_version"] == 1 and params["remote_num_tokens"] == r
+        assert params["pd_protocol_version"] == PROTOCOL_VERSION and params["remote_num_tokens"] == r
         verdict = check(ref, got)
         if not verdict.ok:
             failures.append(f"n={n} R={r}: {verdict.describe()}")
@@ -107,14 +108,34 @@ def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
 
 def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
     """Negative control for every model: D loads KV/state of a different prompt of the same
-    length."""
+    length (D's prompt fingerprint check skipped by the test-only fault switch, as before the
+    check existed)."""
     caught = 0
     lengths = (33, 64, 100, 129, 200)
     for n in lengths:
         a, b = random_prompt(n, seed=4), random_prompt(n, seed=5)
         ref = stack.reference(a, MAX_TOKENS)
-        caught += not check(ref, stack.decode_with(a, stack.prefill_only(b), MAX_TOKENS)).ok
+        params = {**stack.prefill_only(b), SKIP_PROMPT_CHECK: True}
+        caught += not check(ref, stack.decode_with(a, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} swaps detected"
+
+
+def test_params_of_another_prompt_are_refused_as_prompt_mismatch(stack):
+    """The same swaps without the switch: D's fingerprint of its own prompt differs from P's,
+    the handoff is refused and recomputed: aggregated output every time, each refusal counted
+    and logged with both lengths."""
+    lengths = (33, 64, 100, 129, 200)
+    before = stack.decode.metric("vllm:pd_events_total", {"event": "refused:prompt_mismatch"}) or 0
+    for n in lengths:
+        a, b = random_prompt(n, seed=4), random_prompt(n, seed=5)
+        got = stack.decode_with(a, stack.prefill_only(b), MAX_TOKENS)
+        assert check(stack.reference(a, MAX_TOKENS), got).ok, f"n={n}"
+    log = stack.decode.log_text()
+    assert f"the first {lengths[-1] - 1} tokens of this {lengths[-1]}-token prompt" in log
+    deadline = time.monotonic() + 10
+    while (stack.decode.metric("vllm:pd_events_total", {"event": "refused:prompt_mismatch"}) or 0) < before + len(lengths):
+        assert time.monotonic() < deadline, "refusals not counted"
+        time.sleep(0.2)
 
 
 def _dead_port():
@@ -137,6 +158,7 @@ TAMPERED = {
     ),
     "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
     "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
+    "prompt_digest_edited": (lambda p, n: {**p, "pd_prompt_digest": "1:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
     # Connected already (earlier requests), so the claim is what times out. Counted on the
     # failed-load line alone: a lease extension to the dead port logs "no answer" too.
     "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "failed (no answer from 127.0.0.1"),

@@ -190,3 +190,29 @@ def test_queued_handoffs_are_extended_on_the_cadence_of_the_lease_p_keeps(model_
     out, _ = run_step(d)
     (extension,) = out.kv_connector_metadata.to_extend
     assert extension.request_ids == [params["remote_request_id"]]
+
+
+def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_window():
+    """DeepSeek-V4.1's bounded-replay sliding window: a P/D load restores it, so vLLM backs off
+    one token (_prefill_backoff); the profile took prefix_replay_tokens (the window) and P
+    handed over N - 128 of N tokens."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    from pd_connector.core.handoff import choose_replay_offset, min_recompute_tokens
+    from pd_connector.engine.compat import profile_from_vllm
+
+    spec = SlidingWindowMLASpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128, bounded_replay=True
+    )
+    assert spec.prefix_replay_tokens == 128
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        speculative_config=None,
+        num_prefill_lookahead_tokens=0,
+    )
+    profile = profile_from_vllm(config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)]))
+    assert profile.bounded_replay and min_recompute_tokens(profile) == 1
+    assert choose_replay_offset(1000, profile) == 999
