@@ -19,6 +19,7 @@ import msgspec
 
 from collections.abc import Callable
 
+from pd_connector.core.prompt_digest import form_of
 from pd_connector.core.protocol import (
     KEY_MIN_RECOMPUTE,
     MAX_DECODE_REQUESTS,
@@ -144,7 +145,7 @@ def decide_on_decode(
     num_prompt_tokens: int,
     profile: RecomputeProfile,
     num_groups: int | None = None,
-    prompt_digest: Callable[[int], str | None] | None = None,
+    prompt_digest: Callable[[int, str], str | None] | None = None,
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
@@ -157,10 +158,10 @@ def decide_on_decode(
     that is checked before the offset, so the refusal names the structural cause, which no
     routing hint can fix, rather than an offset a hint would only move.
 
-    ``prompt_digest(R)`` is this instance's fingerprint of its own first R prompt tokens
-    (core/prompt_digest.py; None: the prompt cannot be fingerprinted, e.g. prompt embeddings).
-    Computed last, once everything cheaper passed; a handoff of another prompt is refused as
-    ``prompt_mismatch``. None skips the check.
+    ``prompt_digest(R, P's fingerprint)`` is this instance's fingerprint of its own first R
+    prompt tokens in the form P used (core/prompt_digest.py; None: it cannot compute one in that
+    form). Computed last, once everything cheaper passed; a handoff of another prompt is refused
+    as ``prompt_mismatch``. None skips the check.
     """
     try:
         params = decode_handoff_params(raw_params)
@@ -209,7 +210,8 @@ def decide_on_decode(
             params=params,
         )
     if offset > 0 and prompt_digest is not None:
-        mismatch = _prompt_mismatch(prompt_digest(offset), params.pd_prompt_digest, offset, num_prompt_tokens)
+        theirs = params.pd_prompt_digest
+        mismatch = _prompt_mismatch(prompt_digest(offset, theirs), theirs, offset, num_prompt_tokens)
         if mismatch:
             return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
     return Accepted(offset=offset, params=params)
@@ -217,15 +219,17 @@ def decide_on_decode(
 
 def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_tokens: int) -> str:
     """Why the fingerprints differ ("" if they agree): both lengths, never a token."""
+    if not theirs:
+        return f"the prefill instance sent no prompt fingerprint for its {offset} tokens"
     if mine is None:
         return (
-            f"this {num_prompt_tokens}-token prompt cannot be fingerprinted (prompt embeddings), so "
-            f"the {offset} tokens the prefill instance computed cannot be checked against it"
+            f"this instance cannot fingerprint its {num_prompt_tokens}-token prompt in the form the "
+            f"prefill instance used ({form_of(theirs) or theirs[:40]!r}) to check the {offset} "
+            "tokens it computed: P and D differ in --prefix-caching-hash-algo, hash block size or "
+            "PYTHONHASHSEED, or the prompt has embeddings"
         )
     if mine == theirs:
         return ""
-    if not theirs:
-        return f"the prefill instance sent no prompt fingerprint for its {offset} tokens"
     return (
         f"the first {offset} tokens of this {num_prompt_tokens}-token prompt are not the prompt the "
         f"prefill instance computed (fingerprint {mine}, P's {theirs}): the router sent the two "

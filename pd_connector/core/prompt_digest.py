@@ -8,16 +8,24 @@ a router that re-rendered a chat template, tokenizer drift, another conversation
 carries the fingerprint, so P grants the blocks only to a D whose prompt is the one P computed,
 whatever a router rewrote in the parameters.
 
-The tokens are folded by CPython's tuple hash (xxHash-derived, 64 bits, one C loop: ~2 ns a
-token, a third of serialising them for a cryptographic hash; see docs/benchmarks.md). Each step
-of that fold is a bijection of the accumulator, so two prompts of equal length that differ in
-one token always fold differently; other differences collide with probability ~2^-64. The fold,
-the length and the extra keys are then hashed with BLAKE2b. It detects accidents, not an
-adversary choosing prompts (who would need to control the router, which sees every prompt
-anyway). ``DIGEST_VERSION`` names the function; a Python whose tuple hash differed would make
-every handoff a loud ``prompt_mismatch``, never a silent one (pinned by a known-answer test).
+Two forms, named in the fingerprint (``"<version>:<form>:<hex>"``):
 
-Pure: ints, strings and tuples only.
+- ``b:<algo>:<block size>:<seed tag>``: vLLM's own prefix-cache block hash of the last full
+  block before R (a chain over every earlier block's tokens and vLLM's extra keys, computed for
+  every request of an engine with a KV connector: EngineCore's request_block_hasher), plus the
+  fewer than ``block size`` tokens after it. Costs the same at any prompt length. Comparable
+  only between engines with the same hash algorithm, block size and hash seed (the seed tag).
+- ``t``: every token folded here, when the engine's block hashes are not comparable across
+  processes (an xxhash algorithm without PYTHONHASHSEED: vLLM seeds it randomly per process).
+
+Tokens are folded by CPython's tuple hash (xxHash-derived, 64 bits, one C loop); each step of
+that fold is a bijection of the accumulator, so two token runs of equal length that differ in one
+token always fold differently; other differences collide with probability ~2^-64. Everything is
+then hashed with BLAKE2b. It detects accidents, not an adversary choosing prompts (who would need
+to control the router, which sees every prompt anyway). A Python whose tuple hash differed would
+make every handoff a loud ``prompt_mismatch``, never a silent one (pinned by a known-answer test).
+
+Pure: ints, bytes, strings and tuples only.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Sequence
 import msgspec
 
 DIGEST_VERSION = 1
+TOKENS = "t"
 _PERSON = b"pd-prompt-v1"
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -37,20 +46,41 @@ _encode = msgspec.msgpack.Encoder().encode
 ExtraKey = tuple
 
 
-def token_fold(tokens: Sequence[int], length: int) -> int:
-    """CPython's 64-bit tuple hash of ``tokens[:length]`` (token ids are non-negative ints)."""
-    if len(tokens) < length:
-        raise ValueError(f"{len(tokens)} tokens, fewer than the {length} to fingerprint")
-    return hash(tuple(tokens) if len(tokens) == length else tuple(tokens[:length]))
+def token_fold(tokens: Sequence[int], start: int, end: int) -> int:
+    """CPython's 64-bit tuple hash of ``tokens[start:end]`` (token ids are non-negative ints)."""
+    if len(tokens) < end:
+        raise ValueError(f"{len(tokens)} tokens, fewer than the {end} to fingerprint")
+    return hash(tuple(tokens) if start == 0 and len(tokens) == end else tuple(tokens[start:end]))
 
 
-def prompt_digest(tokens: Sequence[int], length: int, extra: tuple[ExtraKey, ...] = ()) -> str:
-    """``"<version>:<32 hex digits>"`` for the first ``length`` tokens and ``extra`` keys
-    (tuples of str/int, in a canonical order chosen by the caller)."""
-    header = _encode((DIGEST_VERSION, sys.hash_info.width, length, extra))
+def blocks_form(algo: str, block_size: int, seed_tag: str) -> str:
+    return f"b:{algo}:{block_size}:{seed_tag}"
+
+
+def form_of(digest: str) -> str:
+    """The form a fingerprint was computed in ("" if it is not one of ours)."""
+    version, sep, rest = digest.partition(":")
+    form, sep2, _ = rest.rpartition(":")
+    return form if sep and sep2 and version == str(DIGEST_VERSION) else ""
+
+
+def prompt_digest(
+    tokens: Sequence[int],
+    length: int,
+    extra: tuple[ExtraKey, ...] = (),
+    *,
+    form: str = TOKENS,
+    chain: bytes = b"",
+    chain_tokens: int = 0,
+) -> str:
+    """The fingerprint of ``tokens[:length]`` and the ``extra`` keys (tuples of str/int, in a
+    canonical order chosen by the caller). ``chain``: vLLM's block hash covering
+    ``tokens[:chain_tokens]`` (blocks form); the tokens after it are folded here."""
+    header = _encode((DIGEST_VERSION, sys.hash_info.width, form, length, chain_tokens, extra))
     h = hashlib.blake2b(header, digest_size=16, person=_PERSON)
-    h.update(token_fold(tokens, length).to_bytes(8, "little", signed=True))
-    return f"{DIGEST_VERSION}:{h.hexdigest()}"
+    h.update(bytes(chain))
+    h.update(token_fold(tokens, chain_tokens, length).to_bytes(8, "little", signed=True))
+    return f"{DIGEST_VERSION}:{form}:{h.hexdigest()}"
 
 
 def extra_keys(

@@ -5,6 +5,7 @@ Everything that knows vLLM's class names lives here, so a vLLM upgrade touches o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import msgspec
 from pd_connector.core.config import UnsupportedConfig
 from pd_connector.core.handoff import RecomputeProfile
 from pd_connector.core.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
-from pd_connector.core.prompt_digest import extra_keys
+from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, prompt_digest
 from pd_connector.core.protocol import EngineCompat, GroupDesc, LayerRegion
 
 
@@ -363,3 +364,43 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), size
+
+
+# vLLM seeds these block hashes randomly per process unless PYTHONHASHSEED is set
+# (resolve_none_hash_seed in vllm/v1/core/kv_cache_utils.py): not comparable across engines.
+_PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
+
+
+def fingerprint_form(vllm_config: Any, kv_cache_config: Any) -> tuple[str, int]:
+    """(form, hash block size) of this engine's prompt fingerprints (core/prompt_digest.py):
+    vLLM's own block hashes when another engine can reproduce them (EngineCore hashes every
+    request's blocks when a KV connector is loaded, at kv_cache_config.hash_block_size, with
+    --prefix-caching-hash-algo and a seed from PYTHONHASHSEED or vLLM's fixed default), else
+    every token folded."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "") or "")
+    block = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if not algo or block <= 0 or (seed is None and algo in _PER_PROCESS_SEEDED):
+        return TOKENS, 0
+    if seed is None:
+        from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+        seed = DEFAULT_NONE_HASH_SEED
+    return blocks_form(algo, block, hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()), block
+
+
+def prompt_fingerprint(request: Any, length: int, form: str = TOKENS, block_size: int = 0) -> str | None:
+    """The fingerprint of a vLLM ``Request``'s first ``length`` prompt tokens in ``form``, or
+    None if it cannot have one (prompt embeddings, or no block hashes for the blocks form)."""
+    extra = prompt_extra_keys(request, length)
+    tokens = request.prompt_token_ids
+    if extra is None or tokens is None or len(tokens) < length:
+        return None
+    if form == TOKENS:
+        return prompt_digest(tokens, length, extra)
+    full = length // block_size
+    hashes = getattr(request, "block_hashes", None) or ()
+    if len(hashes) < full:
+        return None
+    chain = hashes[full - 1] if full else b""
+    return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)

@@ -3,13 +3,11 @@
 Translates vLLM ``Request`` / block tables into plain values, asks the pure core
 (``handoff``, ``pairing``) what to do, and hands the worker a ``PDMetadata`` each step.
 
-P (``do_remote_decode``): ``on_new_request`` chooses the replay offset R and truncates the
-prompt to exactly R tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped
-``assert num_new_tokens > 0``, vllm#53514), idempotently under preemption. At finish, the blocks
-carrying [0, R) and the state at R are leased and returned in ``kv_transfer_params``.
+P (``do_remote_decode``): engine/prefill_half.py chooses and fingerprints R, truncates the
+prompt, and leases the blocks at finish.
 
-D (``do_remote_prefill``): ``on_new_request`` validates P's offset once (logging and counting a
-refusal once); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
+D (``do_remote_prefill``): ``on_new_request`` validates P's offset and the prompt fingerprint
+once (logging and counting a refusal once, releasing P with the reason); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
 pairing maps P's blocks onto D's and the worker reads them.
 """
 
@@ -17,30 +15,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pd_connector.core import handoff, pairing
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.leases import extension_interval, initial_lease
-from pd_connector.core.prompt_digest import prompt_digest
-from pd_connector.core.protocol import (
-    KEY_DECODE_REQUESTS,
-    KEY_MIN_RECOMPUTE,
-    PrefillRef,
-    encode_handoff_params,
-    release_target,
-)
-from pd_connector.engine.compat import (
-    layouts_from_kv_cache_config,
-    profile_from_vllm,
-    prompt_extra_keys,
-    sibling_group,
-)
+from pd_connector.core.leases import extension_interval
+from pd_connector.core.prompt_digest import TOKENS, form_of
+from pd_connector.core.protocol import PrefillRef, release_target
+from pd_connector.engine import compat
+from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.faults import Faults
-from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
+from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
+from pd_connector.engine.prefill_half import PrefillHalf
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector")
 
-_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
 def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
@@ -72,28 +60,6 @@ class Admitted(msgspec.Struct):
     corrupt_state: bool
 
 
-class _Prefill(NamedTuple):
-    """P: what was decided for a request when it arrived (kept here, not in the request's
-    kv_transfer_params, which the client controls)."""
-
-    offset: int
-    digest: str = ""
-    decode_requests: int = 1
-
-
-_NOTHING = _Prefill(0)
-
-
-def _prompt_digest(request: "Request", length: int) -> str | None:
-    """This engine's fingerprint of the request's first ``length`` prompt tokens, or None if
-    it cannot have one (core/prompt_digest.py)."""
-    extra = prompt_extra_keys(request, length)
-    tokens = request.prompt_token_ids
-    if extra is None or tokens is None or len(tokens) < length:
-        return None
-    return prompt_digest(tokens, length, extra)
-
-
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
@@ -104,20 +70,20 @@ class SchedulerHalf:
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
         self._faults = Faults()
-        # P: its TP size goes into kv_transfer_params (D reads each rank's shard).
-        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
-        # P: what was decided for each request in flight.
-        self._p_offsets: dict[str, _Prefill] = {}
-        # P: handoffs of n > 1 siblings (one client request, vLLM's children "i_<parent>") by
-        # (parent, fingerprint), until their initial lease runs out: the first sibling's lease
-        # serves them all (vLLM returns one child's params for the whole request).
-        self._sibling_params: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
-        # How long P keeps a handoff before D claims or extends it (P returns it in the params).
-        self._initial_lease = initial_lease(settings.claim_deadline_seconds, settings.lease_seconds)
+        # P's decisions (prepare, finish), and its leases for this step.
+        self._prefill = PrefillHalf(
+            settings,
+            self.engine_id,
+            self.profile,
+            self.layouts,
+            self.group_ids,
+            int(vllm_config.parallel_config.tensor_parallel_size or 1),
+            self.recorder,
+            compat.fingerprint_form(vllm_config, kv_cache_config),
+        )
         # Per-step outboxes, drained by build_connector_meta.
-        self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
         self._to_release: list[ReleaseTask] = []
         # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta).
@@ -149,7 +115,7 @@ class SchedulerHalf:
         if not isinstance(params, dict):
             return
         if params.get("do_remote_decode"):
-            self._prepare_prefill(request, params)
+            self._prefill.prepare(request, params)
         elif params.get("do_remote_prefill"):
             if getattr(request, "abort_immediately", False):
                 self._release_rejected(request, params)
@@ -160,12 +126,12 @@ class SchedulerHalf:
         if self._to_pair:
             self._pair_admitted()
         meta = PDMetadata(
-            to_send=self._to_send,
+            to_send=self._prefill.take_leases(),
             to_recv=self._to_recv,
             to_release=self._to_release,
             to_extend=self._due_extensions(),
         )
-        self._to_send, self._to_recv, self._to_release = {}, {}, []
+        self._to_recv, self._to_release = {}, []
         return meta
 
     def _due_extensions(self) -> list[ExtendTask]:
@@ -190,137 +156,9 @@ class SchedulerHalf:
             self._release(request.request_id, pending, "decode request finished before its KV was loaded")
         if not params.get("do_remote_decode"):
             return False, None
-        return self._finish_prefill(request, params, block_ids)
+        return self._prefill.finish(request, block_ids)
 
     # -- P ---------------------------------------------------------------------------------
-
-    def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
-        if request.request_id in self._p_offsets:
-            return  # already truncated (preempted and re-added)
-        raw = params.get(KEY_MIN_RECOMPUTE)
-        requested = handoff.requested_min_recompute(raw)
-        if requested is None:
-            logger.warning(
-                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
-                request.request_id,
-                KEY_MIN_RECOMPUTE,
-                raw,
-            )
-            self.recorder.count("bad_min_recompute")
-            requested = 0
-        raw = params.get(KEY_DECODE_REQUESTS)
-        decode_requests = handoff.requested_decode_requests(raw)
-        if decode_requests is None:
-            logger.warning(
-                "pd_connector: request %s: ignoring %s=%r (expected an integer from 1 to %d)",
-                request.request_id,
-                KEY_DECODE_REQUESTS,
-                raw,
-                handoff.MAX_DECODE_REQUESTS,
-            )
-            self.recorder.count("bad_decode_requests")
-            decode_requests = 1
-        offset = 0
-        # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
-        # fingerprint D could check (prompt_extra_keys): nothing to hand over.
-        if (
-            request.prompt_token_ids is not None
-            and getattr(request, "prompt_embeds", None) is None
-            and not request.get_skip_reading_prefix_cache()
-        ):
-            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested)
-        digest = ""
-        if offset > 0:
-            drop = request.num_prompt_tokens - offset
-            del request.prompt_token_ids[offset:]
-            del request._all_token_ids[offset:]
-            request.num_prompt_tokens = offset
-            digest = _prompt_digest(request, offset) or ""
-            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        self._p_offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
-        # P's sampled token is thrown away by the router; stop after the prefill.
-        request.max_tokens = 1
-
-    def _finish_prefill(
-        self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        chosen = self._p_offsets.pop(request.request_id, _NOTHING)
-        if request.status.name not in _FINISHED_OK:
-            return False, None  # aborted or errored: nothing to hand over
-        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
-        if offset != chosen.offset:
-            logger.warning(
-                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
-                "nothing (the decode instance will prefill locally)",
-                request.request_id,
-                request.num_computed_tokens,
-                chosen.offset,
-            )
-            self.recorder.count("p_offset_not_computed")
-        source: list[list[int]] = []
-        if offset:
-            transfer_ids = tuple(block_ids[g] for g in self.group_ids)
-            try:
-                source = pairing.select_source_blocks(self.layouts, transfer_ids, offset)
-            except pairing.PairingError as exc:
-                # Inside EngineCore's request_finished: an exception here would take the engine
-                # down. Hand over nothing; D recomputes.
-                logger.warning("pd_connector: %s: cannot select the blocks to hand over: %s", request.request_id, exc)
-                self.recorder.count("p_pairing_failed")
-                offset = 0
-        now = time.monotonic()
-        if offset:
-            shared = self._shared_sibling_params(request.request_id, chosen.digest, now)
-            if shared is not None:
-                # This sibling's blocks are freed now; D reads its sibling's identical ones.
-                self.recorder.count("handoff_shared")
-                return False, shared
-        out = self._returned_params(request, offset, source, chosen.digest if offset else "")
-        if not offset:
-            return False, out
-        self._to_send[request.request_id] = SendLease(
-            deadline=now + self._initial_lease,
-            offset=offset,
-            block_ids=source,
-            digest=chosen.digest,
-            requests=chosen.decode_requests,
-        )
-        parent = sibling_group(request.request_id)
-        if parent is not None:
-            self._sibling_params[(parent, chosen.digest)] = (now + self._initial_lease, out)
-        self.recorder.count("handoff_offered")
-        return True, out
-
-    def _shared_sibling_params(self, request_id: str, digest: str, now: float) -> dict[str, Any] | None:
-        """The params of an n > 1 sibling's live handoff of the same prompt, if any. vLLM
-        returns one child's kv_transfer_params for the whole request (the last to finish,
-        vllm/v1/engine/output_processor.py), so a lease per child left n - 1 of them orphaned.
-        Entries are forgotten when their initial lease runs out (oldest first)."""
-        stale = []
-        for key, (until, _) in self._sibling_params.items():
-            if until > now:
-                break
-            stale.append(key)
-        for key in stale:
-            del self._sibling_params[key]
-        parent = sibling_group(request_id)
-        if parent is None:
-            return None
-        shared = self._sibling_params.get((parent, digest))
-        return dict(shared[1]) if shared is not None else None
-
-    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str) -> dict[str, Any]:
-        return encode_handoff_params(
-            offset,
-            source,
-            engine_id=self.engine_id,
-            request_id=request.request_id,
-            host=self.settings.side_channel_host,
-            port=self.settings.side_channel_port,
-            tp_size=self._tp_size,
-            prompt_digest=digest,
-            lease_seconds=self._initial_lease if offset else None,
-        )
 
     # -- D ---------------------------------------------------------------------------------
 
@@ -331,7 +169,7 @@ class SchedulerHalf:
             request.num_prompt_tokens,
             self.profile,
             num_groups=len(self.layouts),
-            prompt_digest=(lambda length: _prompt_digest(request, length)) if check_prompt else None,
+            prompt_digest=(lambda length, theirs: self._fingerprint(request, length, theirs)) if check_prompt else None,
         )
         if isinstance(decision, handoff.Refused):
             self.recorder.count(f"refused:{decision.kind}")
@@ -358,6 +196,17 @@ class SchedulerHalf:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         self._decisions[request.request_id] = decision
+
+    def _fingerprint(self, request: "Request", length: int, theirs: str) -> str | None:
+        """This instance's fingerprint of the request's first ``length`` tokens in the form P
+        used (``theirs``): our own block-hash form, or every token folded; None for a form we
+        cannot compute (another hash algorithm, block size or seed)."""
+        form = form_of(theirs)
+        if form == TOKENS:
+            return compat.prompt_fingerprint(request, length)
+        if form == self._prefill.fingerprint_form[0]:
+            return compat.prompt_fingerprint(request, length, *self._prefill.fingerprint_form)
+        return None
 
     def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
         """vLLM's notice that D's serving layer rejected a request before it reached the engine

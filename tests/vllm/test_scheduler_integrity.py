@@ -11,6 +11,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core import pairing
 from pd_connector.core.prompt_digest import extra_keys, prompt_digest
+from pd_connector.engine import compat
 from pd_connector.engine.faults import SKIP_PROMPT_CHECK
 
 HYBRID = ("attention", "mamba")
@@ -43,7 +44,9 @@ def test_p_returns_the_prompt_fingerprint_and_the_lease_it_keeps_before_a_claim(
     p = make_scheduler(model_dir, "kv_producer", groups=HYBRID, extra_config={"claim_deadline_seconds": 7})
     req, params = prefill(p, PROMPT)
     r = params["replay_offset"]
-    assert params["pd_prompt_digest"] == prompt_digest(PROMPT, r) and params["pd_prompt_digest"].startswith("1:")
+    # vLLM hashes every block of every request when a connector is loaded: P reuses that chain.
+    assert params["pd_prompt_digest"].startswith("1:b:sha256:16:")
+    assert params["pd_prompt_digest"] == compat.prompt_fingerprint(req, r, *connector_half(p)._prefill.fingerprint_form)
     assert params["pd_lease_seconds"] == 7  # the claim deadline, below lease_seconds
     out, _ = run_step(p)
     lease = out.kv_connector_metadata.to_send[req.request_id]
@@ -88,10 +91,63 @@ def test_cache_salt_and_lora_adapter_are_part_of_the_fingerprint(model_dir, p_kw
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT, **p_kw)
     d, _, _ = decode(model_dir, PROMPT, params, **d_kw)
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
-    # The same salt and adapter name (another server's adapter id and path) agree.
-    same = {k: (LoRARequest(v.lora_name, 7, "/elsewhere") if k == "lora_request" else v) for k, v in p_kw.items()}
+    # The same salt, and the same adapter under another server's numeric id, agree. (vLLM's
+    # block hashes, which the fingerprint reuses, also key on the adapter's path.)
+    same = {k: (LoRARequest(v.lora_name, 7, v.lora_path) if k == "lora_request" else v) for k, v in p_kw.items()}
     d, _, _ = decode(model_dir, PROMPT, params, **same)
     assert "refused:prompt_mismatch" not in connector_half(d).stats
+
+
+@pytest.mark.parametrize("where", ["in_a_full_block", "in_the_tail_after_the_last_full_block"])
+def test_blocks_form_covers_every_token_before_the_offset(model_dir, where):
+    """The blocks form reuses vLLM's chain for the full blocks and folds the rest: a change in
+    either part is a mismatch."""
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    at = 5 if where == "in_a_full_block" else 35  # R = 39, 16-token blocks: 32..38 is the tail
+    other = PROMPT[:at] + [3] + PROMPT[at + 1 :]
+    d, _, _ = decode(model_dir, other, params)
+    assert connector_half(d).stats["refused:prompt_mismatch"] == 1
+
+
+def test_a_fingerprint_in_the_tokens_form_is_checked_too(model_dir):
+    """A P whose block hashes are not comparable across engines (xxhash without PYTHONHASHSEED)
+    folds every token; D checks that form whatever its own."""
+    p = make_scheduler(model_dir, "kv_producer", groups=HYBRID)
+    connector_half(p)._prefill.fingerprint_form = (compat.TOKENS, 0)
+    _, params = prefill(p, PROMPT)
+    assert params["pd_prompt_digest"] == prompt_digest(PROMPT, 39)
+    d, req, out = decode(model_dir, PROMPT, params)
+    assert req.request_id in out.kv_connector_metadata.to_recv
+    d, _, _ = decode(model_dir, PROMPT[:-2] + [1, 2], params)
+    assert connector_half(d).stats["refused:prompt_mismatch"] == 1
+
+
+def test_a_fingerprint_form_d_cannot_compute_is_refused_naming_the_settings(model_dir):
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    params = {**params, "pd_prompt_digest": "1:b:xxhash:16:deadbeef:" + "0" * 32}
+    d, _, out = decode(model_dir, PROMPT, params)
+    assert connector_half(d).stats["refused:prompt_mismatch"] == 1
+    (release,) = out.kv_connector_metadata.to_release
+    assert "b:xxhash:16:deadbeef" in release.reason and "PYTHONHASHSEED" in release.reason
+
+
+def test_fingerprint_form_follows_the_engines_block_hashing(monkeypatch):
+    from types import SimpleNamespace
+
+    def form(algo, block=16):
+        return compat.fingerprint_form(
+            SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo)),
+            SimpleNamespace(hash_block_size=block),
+        )
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    sha, size = form("sha256")
+    assert sha.startswith("b:sha256:16:") and size == 16
+    assert form("sha256", block=None) == (compat.TOKENS, 0)
+    assert form("xxhash") == (compat.TOKENS, 0), "seeded per process: not comparable"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert form("xxhash")[0].startswith("b:xxhash:16:")
+    assert form("sha256")[0] != sha, "the seed is part of the form"
 
 
 def test_fingerprint_covers_multimodal_items_placed_before_the_offset():

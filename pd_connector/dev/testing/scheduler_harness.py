@@ -117,6 +117,8 @@ def make_scheduler(
     # As EngineCore does (vllm/v1/engine/core.py): the scheduler's block size is the LCM of the
     # groups' and requests are hashed at hash_block_size (make_request's block_size).
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    # EngineCore sets it on the scheduler's copy before building the Scheduler (and its connector).
+    kv_cache_config.hash_block_size = hash_block_size
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
