@@ -86,6 +86,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # the CI matrices was ~0.35 s; a READ past this points at the transport (docs/operations.md,
     # "Slow READs").
     read_warn_seconds: float = 5.0
+    # P (prefix caching on a hybrid): D recomputes up to this many tokens beyond its minimum so
+    # that the handoff lands on vLLM's prompt checkpoint, which D then keeps in its own prefix
+    # cache (a turn served by D alone hits it). 0: D recomputes only its minimum, whatever the
+    # cache mode; D keeps the prompt checkpoint only when the handoff lands on it anyway.
+    # handoff.plan_handoff; docs/configuration.md, "Prefix caching".
+    max_checkpoint_recompute: int = 0
 
     # Filled by parse_settings from the file or the environment; excluded from repr.
     secret: bytes = msgspec.field(default=b"", name="_secret")
@@ -116,6 +122,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"nixl_read_chunk_mib must be >= 0, got {self.nixl_read_chunk_mib}")
         if self.nixl_ucx_error_handling not in UCX_ERROR_HANDLING_MODES:
             raise ValueError(f"nixl_ucx_error_handling must be 'peer' or 'none', got {self.nixl_ucx_error_handling!r}")
+        if self.max_checkpoint_recompute < 0:
+            raise ValueError(f"max_checkpoint_recompute must be >= 0, got {self.max_checkpoint_recompute}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
         if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):

@@ -42,13 +42,18 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     prefill_lookahead: int = 0
     # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``).
     bounded_replay_tokens: int = 0
-    # Prefix caching in Mamba ``align`` mode stores recurrent state only on a grid of this many
-    # tokens; an offset on the grid lets the receiving engine register the state where its own
-    # cache manager will look for it. 0 = no grid.
+    # Prefix caching in Mamba ``align`` mode: vLLM looks Mamba state up (and registers it) only
+    # at multiples of this many tokens, the Mamba group's cache-hit alignment: the
+    # ``prefix_match_unit`` when it is finer than the block, else the block size. 0 = no
+    # prefix caching of recurrent state.
     replay_grid: int = 0
-    # EAGLE-family drafting with prefix caching: vLLM checkpoints Mamba state one grid unit
-    # earlier (get_mamba_prefill_checkpoint_position: floor(N/u)*u - u, "the EAGLE drop").
+    # vLLM's ``SpeculativeConfig.use_eagle_block_drop()`` (EAGLE-family drafter with prefix
+    # caching): the prompt checkpoint sits one unit earlier
+    # (``get_mamba_prefill_checkpoint_position``: floor(N/u)*u - u, "the EAGLE drop").
     eagle_drop: bool = False
+    # The Mamba group's block size in align mode: states P can pin for its own next turn
+    # (``HandoffPlan.retain``) live on whole blocks. 0 = unknown (nothing pinned).
+    mamba_block_size: int = 0
 
 
 def min_recompute_tokens(profile: RecomputeProfile) -> int:
@@ -61,27 +66,75 @@ def min_recompute_tokens(profile: RecomputeProfile) -> int:
     return max(1, profile.prefill_lookahead - 1, profile.bounded_replay_tokens)
 
 
+def mamba_checkpoint_position(num_tokens: int, unit: int, drop: bool) -> int:
+    """Where vLLM keeps a prompt's reusable Mamba state: ``get_mamba_prefill_checkpoint_position``
+    (vllm/v1/kv_cache_interface.py), restated so the core needs no vLLM (tests compare them).
+    The last multiple of ``unit`` below ``num_tokens``, one unit earlier with the EAGLE drop."""
+    limit = num_tokens if drop else num_tokens - 1
+    position = limit // unit * unit - (unit if drop else 0)
+    return max(position, 0)
+
+
+class HandoffPlan(msgspec.Struct, frozen=True):
+    """What P does with one prompt: compute and hand over ``offset`` tokens (D recomputes the
+    rest), and keep the prompt checkpoint ``retain`` in its own prefix cache (0: nothing to
+    pin beyond what vLLM keeps for the truncated prompt)."""
+
+    offset: int
+    # vLLM's prompt checkpoint for the whole prompt (where an engine that served it alone would
+    # keep the Mamba state for the next turn); 0 without prefix caching of recurrent state.
+    checkpoint: int = 0
+    retain: int = 0
+
+
+def plan_handoff(
+    num_prompt_tokens: int,
+    profile: RecomputeProfile,
+    requested_min_recompute: int = 0,
+    max_checkpoint_recompute: int = 0,
+) -> HandoffPlan:
+    """P's single decision: how many prompt tokens to compute and hand over, and which prompt
+    checkpoint to keep for the next turn.
+
+    The offset is ``N - tail``: D recomputes only its minimum (``min_recompute_tokens``, or
+    ``requested_min_recompute``, D's own requirement passed by the router as
+    ``pd_min_recompute_tokens``), in every cache mode. D registers the state it receives at the
+    offset only, because vLLM's MambaManager gives a handoff's request a state block at its tip
+    and null blocks below (``MambaManager.allocate_new_blocks``): D keeps the prompt checkpoint
+    ``C`` only when the offset is ``C``. ``max_checkpoint_recompute`` trades D compute for that:
+    when ``N - tail - C`` is at most this many tokens, the offset is ``C`` instead.
+
+    ``retain``: P's prompt is truncated to the offset, and vLLM derives its own checkpoint (and,
+    under sparse retention, which states to keep) from the truncated prompt, so P would keep the
+    state one unit short of ``C`` on some lengths. P pins ``C`` (as vLLM's shared-prefix junction)
+    when it lies on a whole Mamba block below the offset or at it, where vLLM can register it.
+
+    The offset lies in ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole
+    prompt.
+    """
+    if num_prompt_tokens <= 0:
+        return HandoffPlan(0)
+    tail = max(min_recompute_tokens(profile), max(0, requested_min_recompute))
+    offset = max(0, num_prompt_tokens - tail)
+    unit = profile.replay_grid
+    if unit <= 0:
+        return HandoffPlan(offset)
+    checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop)
+    if 0 < checkpoint <= offset and offset - checkpoint <= max_checkpoint_recompute:
+        offset = checkpoint
+    block = profile.mamba_block_size
+    retain = checkpoint if block > 0 and 0 < checkpoint <= offset and checkpoint % block == 0 else 0
+    return HandoffPlan(offset, checkpoint, retain)
+
+
 def choose_replay_offset(
     num_prompt_tokens: int,
     profile: RecomputeProfile,
     requested_min_recompute: int = 0,
+    max_checkpoint_recompute: int = 0,
 ) -> int:
-    """P's single decision: how many prompt tokens to compute and hand over.
-
-    ``requested_min_recompute`` is D's own requirement when the router passes it (the
-    ``pd_min_recompute_tokens`` field), so P picks an offset D will accept. The result lies in
-    ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole prompt.
-    """
-    if num_prompt_tokens <= 0:
-        return 0
-    tail = max(min_recompute_tokens(profile), max(0, requested_min_recompute))
-    offset = num_prompt_tokens - tail
-    grid = profile.replay_grid
-    if grid > 0:
-        offset -= offset % grid
-        if profile.eagle_drop:
-            offset = min(offset, num_prompt_tokens // grid * grid - grid)
-    return max(0, offset)
+    """``plan_handoff``'s offset."""
+    return plan_handoff(num_prompt_tokens, profile, requested_min_recompute, max_checkpoint_recompute).offset
 
 
 def offered_offset(chosen: int, num_computed_tokens: int) -> int:
@@ -190,11 +243,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Accepted",
     "Decision",
+    "HandoffPlan",
     "RecomputeProfile",
     "Refused",
     "choose_replay_offset",
     "decide_on_decode",
+    "mamba_checkpoint_position",
     "min_recompute_tokens",
     "offered_offset",
+    "plan_handoff",
     "requested_min_recompute",
 ]

@@ -70,21 +70,35 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     kinds = [_spec_kind(s)[0] for s in specs]
     has_mamba = MAMBA in kinds
-    grid = 0
+    unit = block = 0
     cache_config = vllm_config.cache_config
     if has_mamba and cache_config.enable_prefix_caching:
-        # Align mode stores Mamba state at block boundaries only; hand over on that grid so
-        # D's cache manager registers the state where it will look for it later.
-        grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
+        # Align mode keeps Mamba state only where the cache manager will look it up.
+        block = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
+        unit = _cache_hit_alignment(vllm_config, kv_cache_config)
     replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
     spec_config = vllm_config.speculative_config
     return RecomputeProfile(
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
         bounded_replay_tokens=int(replay),
-        replay_grid=grid,
-        eagle_drop=bool(grid and spec_config is not None and spec_config.use_eagle()),
+        replay_grid=unit,
+        # The Scheduler's own predicate (vllm/v1/core/sched/scheduler.py passes it to the
+        # KVCacheManager as use_eagle): EAGLE-family drafting minus disable_eagle_block_drop.
+        eagle_drop=bool(unit and spec_config is not None and spec_config.use_eagle_block_drop()),
+        mamba_block_size=block,
     )
+
+
+def _cache_hit_alignment(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The token granularity of the Mamba group's prefix-cache hits, as the engine core derives
+    it (``resolve_kv_cache_block_sizes`` then ``resolve_cache_hit_alignment_tokens`` in
+    vllm/v1/core/kv_cache_utils.py): the ``prefix_match_unit`` when it is finer than the Mamba
+    block, else the scheduler block size."""
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return int(resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, scheduler_block, hash_block))
 
 
 def check_hybrid_kv_cache_manager(vllm_config: Any) -> None:
@@ -241,7 +255,9 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         groups.append(
             GroupDesc(
                 kind=layout.kind,
-                block_size=layout.block_size,
+                # A Mamba block holds one state whatever its size (max_model_len without prefix
+                # caching, the align-mode block with it): the slot copy does not depend on it.
+                block_size=0 if layout.kind == MAMBA else layout.block_size,
                 # Mamba pages are padded to the attention page and hold a conv state whose width
                 # depends on the speculative token count; what must agree is per state, checked
                 # by layout.reconcile_regions on the page map. Attention pages must be equal.

@@ -57,13 +57,22 @@ def make_scheduler(
     max_model_len: int = 1024,
     block_size: int = BLOCK,
     mamba_block_size: int | None = None,
+    prefix_match_unit: int | None = None,
+    retention_interval: int | None = 0,
+    speculative: dict[str, Any] | None = None,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
     hundreds of tokens (``Platform._align_hybrid_block_size``: attention page >= Mamba page) and
     Mamba groups ``max_model_len`` when prefix caching is off (one block per request,
     ``HybridAttentionMambaModelConfig`` in model_executor/models/config.py); the tests use
-    16 everywhere to exercise many blocks per group."""
+    16 everywhere to exercise many blocks per group.
+
+    ``mamba_mode="align"`` is set on the cache config as well as on the spec (the Scheduler reads
+    ``cache_config.mamba_cache_mode`` for its block-aligned chunking). ``prefix_match_unit`` and
+    ``retention_interval`` are vLLM's cache-config fields (``retention_interval`` defaults to
+    vLLM's own default, 0). ``speculative``: ``SpeculativeConfig`` keyword arguments (e.g.
+    ``{"method": "mtp", "num_speculative_tokens": 3}`` over a Qwen3-Next MTP ``model_dir``)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -78,6 +87,9 @@ def make_scheduler(
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba_mode,
+        prefix_match_unit=prefix_match_unit,
+        prefix_cache_retention_interval=retention_interval,
     )
     cache_config.kv_cache_layout = "LBHNC"
     kv_transfer_config = KVTransferConfig(
@@ -87,7 +99,15 @@ def make_scheduler(
         kv_buffer_device="cpu",
         kv_connector_extra_config=extra_config or {},
     )
+    speculative_config = None
+    if speculative:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        speculative_config = SpeculativeConfig(
+            target_model_config=model_config, target_parallel_config=ParallelConfig(), **speculative
+        )
     vllm_config = VllmConfig(
+        speculative_config=speculative_config,
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
