@@ -193,3 +193,14 @@ def test_checkpoint_trade_gives_d_the_aggregated_hit(models, config):
         expected = checkpoint if 0 < checkpoint <= n - tail else n - tail
         assert got["offset"] == expected and got["local"] == n - expected, ctx
         assert got["hit_d"] >= got["hit_aggregated"], ctx
+
+
+@pytest.mark.parametrize("n", [B + 1, 2 * B + 1])
+def test_without_the_pin_p_misses_its_own_checkpoint(models, monkeypatch, n):
+    """Negative control for P's pin: with it disabled, vLLM's retention interval 0 keeps the
+    truncated prompt's checkpoint (one block lower) and P's turn 2 misses the block it computed."""
+    from pd_connector.engine.scheduler import SchedulerHalf
+
+    monkeypatch.setattr(SchedulerHalf, "_pin_checkpoint", staticmethod(lambda request, position: None))
+    got = Conversation(models, "plain").run(n, seed=77)
+    assert got["hit_p"] == n - 1 - B < got["hit_prompt_only"] == n - 1, got
