@@ -77,8 +77,6 @@ class SchedulerHalf:
         # P: the offset chosen for each request in flight. Kept here, not in the request's
         # kv_transfer_params, which the client controls.
         self._p_offsets: dict[str, int] = {}
-        # P: the prompt checkpoint each request pins in P's prefix cache (HandoffPlan.retain).
-        self._p_retain: dict[str, int] = {}
         # Per-step outboxes, drained by build_connector_meta.
         self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
@@ -175,8 +173,6 @@ class SchedulerHalf:
             )
         offset = plan.offset
         self._p_offsets[request.request_id] = offset
-        if plan.retain:
-            self._p_retain[request.request_id] = plan.retain
         if offset > 0:
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
@@ -190,7 +186,6 @@ class SchedulerHalf:
         self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         chosen = self._p_offsets.pop(request.request_id, 0)
-        self._p_retain.pop(request.request_id, None)
         if request.status.name not in _FINISHED_OK:
             return False, None  # aborted or errored: nothing to hand over
         offset = handoff.offered_offset(chosen, request.num_computed_tokens)
@@ -273,27 +268,10 @@ class SchedulerHalf:
             self._queue_release(target, "rejected before reaching the engine")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        retain = self._p_retain.get(request.request_id)
-        if retain and not request.shared_prefix_boundary:
-            self._pin_checkpoint(request, retain)
         decision = self._decisions.get(request.request_id)
         if decision is None or decision.offset <= num_computed_tokens:
             return 0, False
         return decision.offset - num_computed_tokens, True
-
-    @staticmethod
-    def _pin_checkpoint(request: "Request", position: int) -> None:
-        """Keep the whole prompt's checkpoint in P's prefix cache though P's prompt is cut short.
-
-        vLLM derives P's chunk stops and, under sparse retention (its default interval 0), the
-        states it keeps from the truncated prompt (``replay_boundaries`` in
-        vllm/v1/core/kv_cache_coordinator.py), so P would keep the state one unit below the
-        checkpoint a turn-2 prompt looks up. The Scheduler sets ``Request.shared_prefix_boundary``
-        (a shared-prefix junction) just before asking the connector for matched tokens; a junction
-        is a chunk stop (``_mamba_block_aligned_split``) and a kept state
-        (``SingleTypeKVCacheManager.cache_blocks``). Set only where vLLM found none.
-        """
-        request.shared_prefix_boundary = position
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         decision = self._decisions.pop(request.request_id, None)
