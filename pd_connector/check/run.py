@@ -33,7 +33,8 @@ from pd_connector.check.client import (
     parse_generation,
     read_events,
 )
-from pd_connector.core.protocol import KEY_REPLAY_OFFSET, KEY_VERSION, PREFILL_REQUEST_PARAMS, PROTOCOL_VERSION
+from pd_connector.core.params import KEY_REPLAY_OFFSET, KEY_VERSION, PREFILL_REQUEST_PARAMS
+from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.urls import normalize_url
 
 logger = logging.getLogger("pd_connector.check.run")

@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pd_connector.core.protocol import (
-    KEY_MIN_RECOMPUTE,
-    PROTOCOL_VERSION,
-    HandoffParams,
-    ProtocolError,
-    decode_handoff_params,
-)
+from pd_connector.core.params import KEY_MIN_RECOMPUTE, HandoffParams, decode_handoff_params
+from pd_connector.core.protocol import PROTOCOL_VERSION, ProtocolError
 
 
 class RecomputeProfile(msgspec.Struct, frozen=True):

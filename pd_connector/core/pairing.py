@@ -195,7 +195,7 @@ def pair_block_lists(
     and a Mamba group's table is as long as an attention group's though one slot is read.
 
     ``remote_checked``: the caller guarantees every remote id is a positive int (D's scheduler:
-    ``protocol.BlockId``, checked by msgspec when the params were decoded), so the per-id
+    ``params.BlockId``, checked by msgspec when the params were decoded), so the per-id
     re-check is skipped (it costs as much as the conversion: docs/benchmarks.md, "Scheduler-side
     cost"); every shape check, and every check of D's own table, still runs.
 

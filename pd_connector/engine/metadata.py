@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from pd_connector.core.protocol import PrefillRef
+from pd_connector.core.params import PrefillRef
 
 
 # slots: one of these per handoff, built inside vLLM's scheduling step (D's RecvTask: a Struct).

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pd_connector.core import shards
-from pd_connector.core.protocol import PrefillRef
+from pd_connector.core.params import PrefillRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
 from pd_connector.transport.prefill_calls import PrefillCalls

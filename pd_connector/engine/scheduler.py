@@ -24,7 +24,7 @@ import msgspec
 from pd_connector.core import handoff, pairing
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
-from pd_connector.core.protocol import KEY_MIN_RECOMPUTE, PrefillRef, encode_handoff_params, release_target
+from pd_connector.core.params import KEY_MIN_RECOMPUTE, PrefillRef, encode_handoff_params, release_target
 from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.faults import Faults
 from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
@@ -314,7 +314,7 @@ class SchedulerHalf:
                     decision.offset,
                     decision.offset - num_external_tokens,  # D's own (block-aligned) prefix hit
                     block_ids=_vllm_block_ids,
-                    # HandoffParams.remote_block_ids are protocol.BlockId: msgspec range-checked
+                    # HandoffParams.remote_block_ids are params.BlockId: msgspec range-checked
                     # every id when on_new_request decoded them.
                     remote_checked=True,
                 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from pd_connector.core.protocol import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
+from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 
 # The OpenAI routes split into a prefill and a decode.
 ROUTES = ("/v1/completions", "/v1/chat/completions")

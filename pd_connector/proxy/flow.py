@@ -26,7 +26,7 @@ from typing import Any, Callable
 import aiohttp
 from aiohttp import web
 
-from pd_connector.core.protocol import KEY_REPLAY_OFFSET
+from pd_connector.core.params import KEY_REPLAY_OFFSET
 from pd_connector.proxy.bodies import build_decode_body, build_prefill_body
 from pd_connector.proxy.relay import (
     UpstreamClient,

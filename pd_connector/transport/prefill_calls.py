@@ -10,6 +10,7 @@ import time
 import msgspec
 
 from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.params import PrefillRef
 from pd_connector.core.protocol import (
     MAX_CLAIM_PARK_MS,
     Claim,
@@ -20,7 +21,6 @@ from pd_connector.core.protocol import (
     Pending,
     Reject,
     Release,
-    PrefillRef,
     Welcome,
     compat_differences,
 )

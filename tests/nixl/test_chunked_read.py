@@ -16,13 +16,13 @@ import pytest
 from pd_connector.transport import side_channel
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.engine.metadata import RecvTask
+from pd_connector.core.params import PrefillRef
 from pd_connector.core.protocol import (
     Ack,
     Claim,
     EngineCompat,
     Granted,
     Hello,
-    PrefillRef,
     ReadDone,
     Reject,
     Release,

@@ -19,7 +19,8 @@ import pytest
 
 from pd_connector.core import shards
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.protocol import PrefillRef, Welcome
+from pd_connector.core.params import PrefillRef
+from pd_connector.core.protocol import Welcome
 from pd_connector.dev.testing.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.receiver import Receiver

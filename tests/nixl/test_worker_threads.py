@@ -16,7 +16,7 @@ import pytest
 
 from pd_connector.core import layout
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.protocol import PrefillRef
+from pd_connector.core.params import PrefillRef
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead

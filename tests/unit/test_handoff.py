@@ -19,15 +19,15 @@ from pd_connector.core.handoff import (
     decide_on_decode,
     min_recompute_tokens,
 )
-from pd_connector.core.protocol import (
+from pd_connector.core.params import (
     encode_handoff_params,
     KEY_MIN_RECOMPUTE,
     KEY_REPLAY_OFFSET,
     KEY_VERSION,
     MAX_BLOCK_ID,
-    PROTOCOL_VERSION,
     HandoffParams,
 )
+from pd_connector.core.protocol import PROTOCOL_VERSION
 
 # Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively
 # (plain loops, far cheaper) so the suite stays fast while covering >100k configurations.
@@ -551,7 +551,7 @@ def p_source(draw, offset):
     if offset == 0:
         return []
     n_groups = draw(st.integers(1, 4))
-    # Real block ids: non-null and below protocol.MAX_BLOCK_ID (NIXL indices are int32).
+    # Real block ids: non-null and below params.MAX_BLOCK_ID (NIXL indices are int32).
     ids = st.integers(1, MAX_BLOCK_ID - 1)
     return [draw(st.lists(ids, min_size=1, max_size=8)) for _ in range(n_groups)]
 

@@ -381,7 +381,7 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
 
 
 def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
-    from pd_connector.core.protocol import PrefillRef
+    from pd_connector.core.params import PrefillRef
     from pd_connector.engine.metadata import ExtendTask, extend_tasks
 
     targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]

@@ -685,7 +685,7 @@ def test_pairing_converts_only_the_blocks_it_pairs(sc):
          "null-mamba-local", "empty-mamba-table"],
 )
 def test_remote_checked_skips_only_the_per_id_recheck_of_p_ids(layout, remote, local, offset):
-    """``remote_checked`` trusts P's ids to be positive (protocol.BlockId); every shape check
+    """``remote_checked`` trusts P's ids to be positive (params.BlockId); every shape check
     and every check of D's own table still refuses."""
     with pytest.raises(PairingError):
         pair_block_lists((layout,), remote, as_blocks(local), offset, 0, block_ids=CountingIds(), remote_checked=True)

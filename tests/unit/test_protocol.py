@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pd_connector.core.params import MAX_BLOCK_ID, PrefillRef, decode_handoff_params, release_target
 from pd_connector.core.protocol import (
-    MAX_BLOCK_ID,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -33,13 +33,10 @@ from pd_connector.core.protocol import (
     ProtocolError,
     Reject,
     Release,
-    PrefillRef,
     Welcome,
     compat_differences,
-    decode_handoff_params,
     decode_message,
     encode_message,
-    release_target,
 )
 
 SETTINGS = settings(max_examples=100, deadline=None)

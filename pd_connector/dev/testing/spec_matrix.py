@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pd_connector.core.handoff import RecomputeProfile, choose_replay_offset, min_recompute_tokens
-from pd_connector.core.protocol import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
+from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, Verdict, compare, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_port

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pd_connector.core.protocol import PREFILL_REQUEST_PARAMS
+from pd_connector.core.params import PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_port, free_ports

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_connector.core.protocol import PREFILL_REQUEST_PARAMS
+from pd_connector.core.params import PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_ports

@@ -1,0 +1,183 @@
+"""``kv_transfer_params``: what P returns and D consumes, a superset of vLLM NixlConnector's
+fields (so routers that forward the dict opaquely keep working), validated by D with a message
+naming the field. Versioned with the side-channel protocol (``protocol.PROTOCOL_VERSION``).
+
+Pure: no vLLM, torch, NIXL or sockets.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Annotated
+
+import msgspec
+
+from pd_connector.core.protocol import MAX_TP, PROTOCOL_VERSION, ProtocolError
+
+# kv_transfer_params keys added to vLLM NixlConnector's (a superset, so routers that forward the
+# dict opaquely keep working).
+KEY_REPLAY_OFFSET = "replay_offset"
+KEY_VERSION = "pd_protocol_version"
+# Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
+KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
+
+# What a router sends P with the prompt (vLLM's toy-proxy fields): keep the blocks for a remote
+# decode. The remote_* fields are present as None because vLLM's NIXL connector reads them
+# unconditionally, and routers may point the same body at either connector.
+PREFILL_REQUEST_PARAMS: dict = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+MAX_BLOCK_ID = 2**31 - 1
+# A block id P may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
+# Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
+# step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
+BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
+
+
+class PrefillRef(msgspec.Struct, frozen=True):
+    """One handoff on its prefill engine: which engine, where its side channel listens, P's
+    request id, and P's tensor-parallel size (rank r listens on ``port + r``)."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    tp_size: int = 1
+
+    def rank_port(self, rank: int) -> int:
+        return self.port + rank
+
+
+class HandoffParams(msgspec.Struct, frozen=True):
+    """The ``kv_transfer_params`` P returns and D consumes (fields D relies on).
+
+    NixlConnector-compatible names; ``replay_offset`` and ``pd_protocol_version`` are ours.
+    """
+
+    pd_protocol_version: int
+    replay_offset: int
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    # One list per KV-cache transfer group of P, in group order: P's block ids carrying KV of
+    # [0, replay_offset) (attention) or the recurrent state at replay_offset (Mamba).
+    remote_block_ids: list[list[BlockId]]
+    do_remote_prefill: bool = True
+    remote_num_tokens: int | None = None
+    # P's tensor-parallel size (NixlConnector's key): D reads each rank's shard.
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
+
+    @property
+    def prefill(self) -> PrefillRef:
+        return PrefillRef(
+            self.remote_engine_id, self.remote_host, self.remote_port, self.remote_request_id, self.tp_size
+        )
+
+
+def encode_handoff_params(
+    offset: int,
+    source: list[list[int]],
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    tp_size: int = 1,
+) -> dict:
+    """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
+    kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
+    work unchanged, plus ``replay_offset`` and the protocol version."""
+    return {
+        "do_remote_prefill": offset > 0,
+        "do_remote_decode": False,
+        "remote_block_ids": source,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": offset,
+        "remote_blocks_expiry_time": None,
+        "tp_size": tp_size,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "transfer_mode": "pull",
+        KEY_REPLAY_OFFSET: offset,
+        KEY_VERSION: PROTOCOL_VERSION,
+    }
+
+
+def decode_handoff_params(raw: object) -> HandoffParams:
+    """Validate D's incoming ``kv_transfer_params``; raise ``ProtocolError`` naming the field."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(
+            "malformed", f"kv_transfer_params must be an object, got {type(raw).__name__}"
+        )
+    if KEY_REPLAY_OFFSET not in raw:
+        raise ProtocolError(
+            "missing_offset",
+            "kv_transfer_params carry no replay_offset (the prefill instance is not "
+            "pd_connector, e.g. vLLM's NixlConnector); recomputing the prompt locally",
+        )
+    version = raw.get(KEY_VERSION)
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            "version_mismatch",
+            f"{KEY_VERSION}={reprlib.repr(version)} but this instance speaks protocol "
+            f"{PROTOCOL_VERSION}; upgrade the older side",
+        )
+    known = {k: raw[k] for k in HandoffParams.__struct_fields__ if k in raw}
+    try:
+        params = msgspec.convert(known, HandoffParams, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("malformed", f"kv_transfer_params: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "kv_transfer_params nested too deeply") from None
+    _check_ranges(params)
+    return params
+
+
+def release_target(raw: object) -> PrefillRef | None:
+    """The P to release, from params too broken to decode as a whole (wrong version, bad
+    offset...), so P frees the blocks now rather than at lease expiry. None if unusable, and
+    None for params without ``replay_offset``: they come from another connector (vLLM's NIXL),
+    whose side channel must never receive our messages (its listener dies on them)."""
+    if not isinstance(raw, dict) or KEY_REPLAY_OFFSET not in raw:
+        return None
+    tp_size = raw.get("tp_size", 1)
+    fields = {
+        "engine_id": raw.get("remote_engine_id"),
+        "host": raw.get("remote_host"),
+        "port": raw.get("remote_port"),
+        "request_id": raw.get("remote_request_id"),
+        "tp_size": tp_size if isinstance(tp_size, int) and 1 <= tp_size <= MAX_TP else 1,
+    }
+    try:
+        target = msgspec.convert(fields, PrefillRef, strict=True)
+    except (msgspec.ValidationError, RecursionError):
+        return None
+    return target if 0 < target.port < 65536 and target.host else None
+
+
+def _check_ranges(params: HandoffParams) -> None:
+    if params.replay_offset < 0:
+        raise ProtocolError(
+            "offset_out_of_range", f"replay_offset={params.replay_offset} is negative"
+        )
+    if not 0 < params.remote_port <= 65536 - params.tp_size:
+        raise ProtocolError(
+            "malformed",
+            f"remote_port={params.remote_port} with tp_size={params.tp_size}: not TCP ports "
+            "(rank r listens on remote_port + r)",
+        )
+    if not params.remote_host or not params.remote_engine_id or not params.remote_request_id:
+        raise ProtocolError(
+            "malformed", "remote_host, remote_engine_id and remote_request_id must be non-empty"
+        )
+    # Block ids are range-checked by msgspec.convert (BlockId).
