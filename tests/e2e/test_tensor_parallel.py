@@ -7,8 +7,8 @@ prompt itself (aggregated, at D's TP), with D's own accounting
 
 Models: attention with 2 KV heads and with 1 (replicated at TP 2); Mamba2 hybrids with
 n_groups 1 (replicated at TP 2) and 2; the Qwen3-Next-style GDN hybrid in bf16 with MTP on both
-sides (bf16 rule: identical to the equal-TP cell at P's TP, whose numerics the prompt's state
-carries, and to aggregated serving at D's TP up to the baseline's near-ties).
+sides (bf16 rule: the equal-TP cell at D's TP and aggregated serving there, both up to the
+baseline's near-ties: bf16 sums in another order at another TP size).
 """
 
 from __future__ import annotations
@@ -87,14 +87,16 @@ def test_every_tp_cell_matches_aggregated_and_d_loads_the_prompt_from_p(tp):
                 if not verdict.ok:
                     failures.append(f"P{p_tp}->D{d_tp} n={n}: {verdict.describe()}")
     if not exact(dtype):
-        # bf16: another TP size sums in another order, and the prompt's KV and state carry the
-        # numerics of P's TP: a cell gives exactly the tokens of the equal-TP cell at P's TP
-        # (measured: P1->D2 == P1->D1 and P2->D1 == P2->D2 on every length, while P1->D2 and
-        # P2->D2 part at near-ties, which the aggregated comparison above allows).
+        # bf16: another TP size sums in another order, so a cell across TP sizes may part from
+        # both equal-TP cells at a near-tie (measured: P1->D2 at n=65 and P2->D1 at n=96 took
+        # another token where P1->D1 and P2->D2 agreed). It must match the equal-TP cell at D's
+        # TP up to the same near-tie rule as aggregated serving.
         for (p_tp, d_tp, n), got in outputs.items():
-            same = outputs.get((p_tp, p_tp, n))
-            if p_tp != d_tp and same is not None and got.token_ids != same.token_ids:
-                failures.append(f"P{p_tp}->D{d_tp} n={n}: {got.token_ids} != equal-TP cell {same.token_ids}")
+            same = outputs.get((d_tp, d_tp, n))
+            if p_tp != d_tp and same is not None:
+                verdict = compare(same, got, tie_margin=BF16_TIE_MARGIN, logprob_tol=BF16_LOGPROB_TOL)
+                if not verdict.ok:
+                    failures.append(f"P{p_tp}->D{d_tp} n={n} vs the equal-TP cell: {verdict.describe()}")
     assert not failures, f"{kind}:\n" + "\n".join(failures)
 
 
