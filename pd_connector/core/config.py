@@ -32,8 +32,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # routers that cannot pass D's requirement per request (pd_min_recompute_tokens): a D that
     # runs multi-module MTP with more speculative tokens than P refuses a shorter tail.
     min_recompute_tokens: int = 0
-    # How long P keeps a finished request's blocks for D before freeing them.
+    # How long P keeps a finished request's blocks for D before freeing them, once D has
+    # claimed or extended the handoff.
     lease_seconds: float = 120.0
+    # How long P keeps them before that: the time D needs to receive the request, queue it and
+    # claim (D extends handoffs it queues). A handoff no D claims (an unreachable P address in
+    # the params, a client gone between P and D) is freed after this, not after lease_seconds.
+    claim_deadline_seconds: float = 30.0
     # D gives up on a P that does not answer the handshake within this time (recompute).
     handshake_timeout_seconds: float = 10.0
     # What D does when a load fails: "recompute" the prompt locally (no request is lost) or
@@ -101,7 +106,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port={self.side_channel_port} is not a TCP port")
-        for name in ("lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds", "read_warn_seconds"):
+        for name in (
+            "lease_seconds",
+            "claim_deadline_seconds",
+            "handshake_timeout_seconds",
+            "claim_wait_seconds",
+            "read_warn_seconds",
+        ):
             value = getattr(self, name)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.
             if not (value > 0 and math.isfinite(value)):

@@ -15,9 +15,17 @@ Pure: ints and msgspec Structs only. No vLLM, torch, NIXL or sockets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
-from pd_connector.core.params import KEY_MIN_RECOMPUTE, HandoffParams, decode_handoff_params
+from pd_connector.core.params import (
+    KEY_MIN_RECOMPUTE,
+    MAX_DECODE_REQUESTS,
+    HandoffParams,
+    decode_handoff_params,
+)
+from pd_connector.core.prompt_digest import form_of
 from pd_connector.core.protocol import PROTOCOL_VERSION, ProtocolError
 
 
@@ -35,8 +43,11 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     # EAGLE/EAGLE3/single-module MTP, K for multi-module MTP with K speculative tokens. The last
     # ``lookahead - 1`` prompt positions of the drafter's KV depend on tokens P never had.
     prefill_lookahead: int = 0
-    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``).
-    bounded_replay_tokens: int = 0
+    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``, DeepSeek-V4.1):
+    # their window is laid out for the next token only, so D recomputes at least one token
+    # (vLLM's ``_prefill_backoff`` backs off 1 for them, not the window: a P/D load restores
+    # the window, ``Scheduler._load_restores_replay_window``). The >= 1 floor covers it.
+    bounded_replay: bool = False
     # Prefix caching in Mamba ``align`` mode stores recurrent state only on a grid of this many
     # tokens; an offset on the grid lets the receiving engine register the state where its own
     # cache manager will look for it. 0 = no grid.
@@ -53,7 +64,7 @@ def min_recompute_tokens(profile: RecomputeProfile) -> int:
     full hit by one token in ``Scheduler._update_waiting_for_remote_kv``); making that explicit
     keeps "D recomputes exactly N - R tokens" true for attention-only models too.
     """
-    return max(1, profile.prefill_lookahead - 1, profile.bounded_replay_tokens)
+    return max(1, profile.prefill_lookahead - 1)
 
 
 def choose_replay_offset(
@@ -91,6 +102,16 @@ def offered_offset(chosen: int, num_computed_tokens: int) -> int:
     return chosen if chosen > 0 and num_computed_tokens == chosen else 0
 
 
+def requested_decode_requests(raw: object) -> int | None:
+    """The router's ``pd_decode_requests``: an int in [1, MAX_DECODE_REQUESTS], 1 when absent,
+    None when malformed (the caller logs and uses 1)."""
+    if raw is None:
+        return 1
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= MAX_DECODE_REQUESTS:
+        return None
+    return raw
+
+
 def requested_min_recompute(raw: object) -> int | None:
     """The router's ``pd_min_recompute_tokens``: a non-negative int, 0 when absent, None when
     malformed (the caller logs and ignores it)."""
@@ -124,7 +145,11 @@ Decision = Accepted | Refused
 
 
 def decide_on_decode(
-    raw_params: object, num_prompt_tokens: int, profile: RecomputeProfile, num_groups: int | None = None
+    raw_params: object,
+    num_prompt_tokens: int,
+    profile: RecomputeProfile,
+    num_groups: int | None = None,
+    prompt_digest: Callable[[int, str], str | None] | None = None,
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
@@ -136,6 +161,11 @@ def decide_on_decode(
     engines lay out their caches differently (e.g. a drafter with its own KV on one side only);
     that is checked before the offset, so the refusal names the structural cause, which no
     routing hint can fix, rather than an offset a hint would only move.
+
+    ``prompt_digest(R, P's fingerprint)`` is this instance's fingerprint of its own first R
+    prompt tokens in the form P used (core/prompt_digest.py; None: it cannot compute one in that
+    form). Computed last, once everything cheaper passed; a handoff of another prompt is refused
+    as ``prompt_mismatch``. None skips the check.
     """
     try:
         params = decode_handoff_params(raw_params)
@@ -183,7 +213,33 @@ def decide_on_decode(
             ),
             params=params,
         )
+    if offset > 0 and prompt_digest is not None:
+        theirs = params.pd_prompt_digest
+        mismatch = _prompt_mismatch(prompt_digest(offset, theirs), theirs, offset, num_prompt_tokens)
+        if mismatch:
+            return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
     return Accepted(offset=offset, params=params)
+
+
+def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_tokens: int) -> str:
+    """Why the fingerprints differ ("" if they agree): both lengths, never a token."""
+    if not theirs:
+        return f"the prefill instance sent no prompt fingerprint for its {offset} tokens"
+    if mine is None:
+        return (
+            f"this instance cannot fingerprint its {num_prompt_tokens}-token prompt in the form the "
+            f"prefill instance used ({form_of(theirs) or theirs[:40]!r}) to check the {offset} "
+            "tokens it computed: P and D differ in --prefix-caching-hash-algo, hash block size or "
+            "PYTHONHASHSEED, or the prompt has embeddings"
+        )
+    if mine == theirs:
+        return ""
+    return (
+        f"the first {offset} tokens of this {num_prompt_tokens}-token prompt are not the prompt the "
+        f"prefill instance computed (fingerprint {mine}, P's {theirs}): the router sent the two "
+        "instances different prompts (a re-rendered chat template, another tokenizer, another "
+        "conversation)"
+    )
 
 
 __all__ = [
@@ -196,5 +252,6 @@ __all__ = [
     "decide_on_decode",
     "min_recompute_tokens",
     "offered_offset",
+    "requested_decode_requests",
     "requested_min_recompute",
 ]

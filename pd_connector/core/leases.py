@@ -1,30 +1,43 @@
 """P-side lease bookkeeping for handed-off blocks (pure state machine over ids and times).
 
 A finished request's blocks stay allocated on P only while its lease runs. Before reading, D
-*claims* the lease with the offset and block ids it is about to act on; P grants only an exact
-match of what it recorded, and extends the lease, so rewritten parameters or a late D never read
-freed (possibly reused) memory. D's completion (a NIXL notification after its READ, or a
-release) ends the lease; so does the deadline. Either way the id is reported to vLLM as
-``finished_sending`` exactly once, which is when vLLM frees the blocks.
+*claims* the lease with the offset, block ids and prompt fingerprint it is about to act on; P
+grants only an exact match of what it recorded, and extends the lease, so rewritten parameters,
+another prompt or a late D never read freed (possibly reused) memory. D's completion (a NIXL
+notification after its READ, or a release) ends the lease; so does the deadline. Either way the
+id is reported to vLLM as ``finished_sending`` exactly once, which is when vLLM frees the blocks.
+
+A lease starts short (P's ``claim_deadline_seconds``: the time D needs to claim it) and becomes
+``lease_seconds`` long when D claims or extends it, so a handoff no D ever claims (an
+unreachable P address in the params, a client gone between P and D) is freed within the claim
+deadline, not the full lease.
 
 A completion can overtake its grant: D may release as soon as the router forwards P's params,
 while the grant reaches P's worker with the next engine step. Such early completions are
 remembered (bounded by time) and settle the grant on arrival.
 
-With tensor parallelism each P rank keeps its own table (every rank receives the same grants),
-and several D ranks may read one P rank's shard: a lease then ends only when each of its
-``readers`` has completed (READ notification or release, one per reader, idempotent), or when
-D's scheduler releases it whole (no reader), or at its deadline.
+Readers: with tensor parallelism each P rank keeps its own table (every rank receives the same
+grants), and several D ranks may read one P rank's shard (``readers`` per D request); with
+``n > 1`` sampling several D requests read one handoff (``requests``). A lease ends when
+``requests * readers`` distinct readers have completed (READ notification or release, idempotent)
+and every reader P granted a claim to has completed: blocks are never freed under a granted
+READ. D's scheduler may release a lease whole (no reader): no claim is granted after that, and
+it ends once the granted readers are done. A late claim on a lease that ended is refused at
+once (``ENDED``), not left pending.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
-# How long an early completion or an expiry is remembered, to answer late messages precisely.
+# How long an early completion, an expiry or an ended lease is remembered, to answer late
+# messages precisely.
 MEMORY_TTL = 300.0
 
 GRANTED, UNKNOWN, EXPIRED, MISMATCH = "granted", "unknown", "expired", "mismatch"
+# The claimed prompt fingerprint is not the lease's; the lease ended (completed or released).
+PROMPT_MISMATCH, ENDED = "prompt_mismatch", "ended"
 
 # The most often D asks a P to extend leases, however short a lease P grants (a tiny grant must
 # not make every engine step send one).
@@ -34,17 +47,34 @@ MIN_EXTEND_INTERVAL_S = 0.1
 def extension_interval(lease_seconds: float) -> float:
     """How often D asks P to extend the leases D still depends on (requests queued for
     admission, or still loading): every third of the lease, so two extensions can go missing before
-    it runs out, and at most every ``MIN_EXTEND_INTERVAL_S``. P extends by its own
-    lease_seconds, so D passes the shortest lease it knows."""
+    it runs out, and at most every ``MIN_EXTEND_INTERVAL_S``. D passes the shortest lease it
+    knows P to keep (``pd_lease_seconds`` in the params before a claim, ``Granted.lease_seconds``
+    after it)."""
     return max(lease_seconds / 3, MIN_EXTEND_INTERVAL_S)
+
+
+def initial_lease(claim_deadline_seconds: float, lease_seconds: float) -> float:
+    """How long P keeps a new handoff before D claims or extends it."""
+    return min(claim_deadline_seconds, lease_seconds)
 
 
 class Lease(NamedTuple):
     deadline: float
     offset: int
     block_ids: tuple[tuple[int, ...], ...]
-    readers: int = 1  # completions this rank waits for (the largest count a reader announced)
+    digest: str = ""
+    requests: int = 1  # D requests that read this handoff (the client's n)
+    readers: int = 1  # completions per D request on this rank (the largest count announced)
+    claimed: frozenset[str] = frozenset()  # readers granted a claim
     done: frozenset[str] = frozenset()  # readers that completed
+    closing: bool = False  # released whole by D's scheduler: no new claims
+
+    def reading(self) -> bool:
+        """A granted reader has not completed: its READ may be in flight."""
+        return not self.claimed <= self.done
+
+    def over(self) -> bool:
+        return not self.reading() and (self.closing or len(self.done) >= self.requests * self.readers)
 
 
 class _Early(NamedTuple):
@@ -61,10 +91,13 @@ def _frozen(block_ids) -> tuple[tuple[int, ...], ...]:
 
 
 class LeaseTable:
-    def __init__(self) -> None:
+    def __init__(self, claim_seconds: float = float("inf")) -> None:
+        # How long readers still due may take to claim once every granted reader is done.
+        self.claim_seconds = claim_seconds
         self._leases: dict[str, Lease] = {}
         self._early: dict[str, _Early] = {}
         self._expired: dict[str, float] = {}
+        self._ended: dict[str, float] = {}  # in ending order: forgotten from the front
         self._finished: list[str] = []
         self.expired_total = 0
 
@@ -74,25 +107,45 @@ class LeaseTable:
     def holds(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def grant(self, request_id: str, deadline: float, offset: int = 0, block_ids=()) -> None:
+    def grant(
+        self,
+        request_id: str,
+        deadline: float,
+        offset: int = 0,
+        block_ids: Sequence[Sequence[int]] = (),
+        digest: str = "",
+        requests: int = 1,
+    ) -> None:
+        """Lease ``request_id``'s blocks until ``deadline``, for ``requests`` D requests."""
+        lease = Lease(deadline, offset, _frozen(block_ids), digest, max(1, requests))
         early = self._early.pop(request_id, None)
-        lease = Lease(deadline, offset, _frozen(block_ids))
         if early is not None:
-            if early.whole or len(early.done) >= early.readers:
-                self._finished.append(request_id)
+            lease = lease._replace(readers=early.readers, done=early.done, closing=early.whole)
+            if lease.over():
+                self._end(request_id, early.seen)
                 return
-            lease = lease._replace(readers=early.readers, done=early.done)
         self._leases[request_id] = lease
 
     def claim(
-        self, request_id: str, offset: int, block_ids, now: float, extend_to: float, readers: int = 1
+        self,
+        request_id: str,
+        offset: int,
+        block_ids,
+        now: float,
+        extend_to: float,
+        readers: int = 1,
+        reader: str = "",
+        digest: str | None = None,
     ) -> tuple[str, str]:
         """(outcome, explanation) for D's claim; on GRANTED the deadline becomes at least
-        ``extend_to`` and the lease waits for at least ``readers`` completions."""
+        ``extend_to``, ``reader`` counts as reading until it completes, and the lease waits for
+        at least ``readers`` completions per D request. ``digest`` None: not compared."""
         lease = self._leases.get(request_id)
         if lease is None:
             if request_id in self._expired:
                 return EXPIRED, f"the lease of {request_id} expired; its blocks were freed"
+            if request_id in self._ended:
+                return ENDED, f"the lease of {request_id} already ended (read or released); its blocks were freed"
             return UNKNOWN, f"no lease for request {request_id} on this prefill instance"
         if lease.deadline <= now:
             return EXPIRED, f"the lease of {request_id} has expired"
@@ -103,8 +156,18 @@ class LeaseTable:
                 f"does not match the lease (offset {lease.offset}, blocks "
                 f"{list(map(list, lease.block_ids))}): parameters altered in transit"
             )
+        if digest is not None and digest != lease.digest:
+            return PROMPT_MISMATCH, (
+                f"claim for {request_id}: the decode request's prompt fingerprint {digest or '(none)'} "
+                f"is not the one of the {offset} tokens this instance computed ({lease.digest}): "
+                "another prompt, or parameters altered in transit"
+            )
+        if reader in lease.done or (lease.closing and reader not in lease.claimed):
+            return ENDED, f"{reader or 'the decode instance'} already released or read {request_id}"
         self._leases[request_id] = lease._replace(
-            deadline=max(lease.deadline, extend_to), readers=max(lease.readers, readers)
+            deadline=max(lease.deadline, extend_to),
+            readers=max(lease.readers, readers),
+            claimed=lease.claimed | {reader} if reader else lease.claimed,
         )
         return GRANTED, ""
 
@@ -117,12 +180,12 @@ class LeaseTable:
         return True
 
     def complete(self, request_id: str, now: float, reader: str = "", readers: int = 1) -> bool:
-        """``reader`` (one of ``readers``) is done with ``request_id``; no reader: every
-        reader is (D's scheduler released it). True when this ended the lease; False while
-        other readers are still due, or if no lease is known (yet, or any more)."""
+        """``reader`` (one of ``readers`` per D request) is done with ``request_id``; no reader:
+        D's scheduler released it whole. True when this ended the lease; False while readers
+        are still due, or if no lease is known (yet, or any more)."""
         lease = self._leases.get(request_id)
         if lease is None:
-            if request_id not in self._expired:
+            if request_id not in self._expired and request_id not in self._ended:
                 early = self._early.get(request_id) or _Early(now, 1, frozenset(), False)
                 self._early[request_id] = _Early(
                     early.seen,
@@ -133,12 +196,23 @@ class LeaseTable:
             return False
         if reader:
             lease = lease._replace(readers=max(lease.readers, readers), done=lease.done | {reader})
-            if len(lease.done) < lease.readers:
-                self._leases[request_id] = lease
-                return False
-        del self._leases[request_id]
+        else:
+            lease = lease._replace(closing=True)
+        if lease.over():
+            del self._leases[request_id]
+            self._end(request_id, now)
+            return True
+        if not lease.reading():
+            # Nobody reads now; the readers still due get the time a claim needs, not the
+            # rest of a lease extended for a reader that is done.
+            lease = lease._replace(deadline=min(lease.deadline, now + self.claim_seconds))
+        self._leases[request_id] = lease
+        return False
+
+    def _end(self, request_id: str, now: float) -> None:
         self._finished.append(request_id)
-        return True
+        self._ended.pop(request_id, None)
+        self._ended[request_id] = now
 
     def expire(self, now: float) -> list[str]:
         """Leases past their deadline; each is finished (its blocks freed) exactly once.
@@ -154,6 +228,13 @@ class LeaseTable:
             del self._early[rid]
         for rid in [rid for rid, seen in self._expired.items() if now - seen > MEMORY_TTL]:
             del self._expired[rid]
+        old = []
+        for rid, seen in self._ended.items():  # oldest first: stop at the first one kept
+            if now - seen <= MEMORY_TTL:
+                break
+            old.append(rid)
+        for rid in old:
+            del self._ended[rid]
         return expired
 
     def take_finished(self) -> set[str]:

@@ -20,6 +20,15 @@ KEY_REPLAY_OFFSET = "replay_offset"
 KEY_VERSION = "pd_protocol_version"
 # Router -> P: the decode instance's minimum recompute tail, so P backs off far enough.
 KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
+# Router -> P: how many decode requests will load this handoff (the client's n, when the router
+# prefills once for n samples); P's lease waits for each of them.
+KEY_DECODE_REQUESTS = "pd_decode_requests"
+# P -> D: the prompt fingerprint (core/prompt_digest.py) and how long P keeps the blocks before
+# a claim or an extension (D's queued handoffs are extended every third of it).
+KEY_PROMPT_DIGEST = "pd_prompt_digest"
+KEY_LEASE_SECONDS = "pd_lease_seconds"
+# Largest pd_decode_requests P accepts (vLLM's own n is unbounded; a lease waits for each).
+MAX_DECODE_REQUESTS = 1024
 
 # What a router sends P with the prompt (vLLM's toy-proxy fields): keep the blocks for a remote
 # decode. The remote_* fields are present as None because vLLM's NIXL connector reads them
@@ -73,6 +82,10 @@ class HandoffParams(msgspec.Struct, frozen=True):
     remote_num_tokens: int | None = None
     # P's tensor-parallel size (NixlConnector's key): D reads each rank's shard.
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
+    # The prompt fingerprint of [0, replay_offset) (core/prompt_digest.py); "" with offset 0.
+    pd_prompt_digest: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # How long P keeps the blocks unless claimed or extended (None: a P that does not say).
+    pd_lease_seconds: Annotated[float, msgspec.Meta(gt=0, le=1e7)] | None = None
 
     @property
     def prefill(self) -> PrefillRef:
@@ -90,10 +103,13 @@ def encode_handoff_params(
     host: str,
     port: int,
     tp_size: int = 1,
+    prompt_digest: str = "",
+    lease_seconds: float | None = None,
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
     kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
-    work unchanged, plus ``replay_offset`` and the protocol version."""
+    work unchanged, plus ``replay_offset``, the protocol version, the prompt fingerprint and
+    P's initial lease length."""
     return {
         "do_remote_prefill": offset > 0,
         "do_remote_decode": False,
@@ -110,6 +126,8 @@ def encode_handoff_params(
         "transfer_mode": "pull",
         KEY_REPLAY_OFFSET: offset,
         KEY_VERSION: PROTOCOL_VERSION,
+        KEY_PROMPT_DIGEST: prompt_digest,
+        KEY_LEASE_SECONDS: lease_seconds,
     }
 
 

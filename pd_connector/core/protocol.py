@@ -17,7 +17,9 @@ import msgspec
 #   1: replay offset, claim/grant/release/extend, per-state page maps.
 #   2: tensor parallelism: P's TP size in the params, one side channel per P rank
 #      (port + rank), rank and shard segments in Welcome, readers in Claim/Release/ReadDone.
-PROTOCOL_VERSION = 2
+#   3: the prompt fingerprint (pd_prompt_digest in the params and the claim), P's initial lease
+#      length in the params, the model identity in EngineCompat.
+PROTOCOL_VERSION = 3
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -101,6 +103,17 @@ class EngineCompat(msgspec.Struct, frozen=True):
     # which only a P running the same drafter computed. The token count may differ (the replay
     # offset absorbs that).
     speculative: str = "none"
+    # The model's identity as vLLM resolved it (engine/compat.py model_identity): weights and
+    # tokenizer (HF id or local directory name, revisions), quantization, and what decides
+    # positions: the RoPE parameters after --hf-overrides, and max_model_len where a scaled
+    # RoPE depends on it (0 otherwise). Same-shaped weights swapped under the same name and
+    # revision stay invisible.
+    model_revision: str = ""
+    tokenizer: str = ""
+    tokenizer_revision: str = ""
+    quantization: str = ""
+    rope: str = ""
+    max_model_len: int = 0
 
 
 def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
@@ -176,6 +189,9 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     # Who reads (a D rank) and how many readers this P rank waits for before it frees.
     reader: str = ""
     readers: Readers = 1
+    # D's own fingerprint of its prompt[:replay_offset] (core/prompt_digest.py): P grants only
+    # if it is the one P computed, so a fingerprint rewritten in the params cannot pass.
+    prompt_digest: str = ""
 
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):

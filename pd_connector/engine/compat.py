@@ -15,7 +15,7 @@ from pd_connector.core.config import UnsupportedConfig
 from pd_connector.core.handoff import RecomputeProfile
 from pd_connector.core.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
 from pd_connector.core.protocol import EngineCompat, GroupDesc, LayerRegion
-
+from pd_connector.engine.identity import model_identity
 
 
 def _spec_kind(spec: Any) -> tuple[str, int]:
@@ -76,11 +76,13 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         # Align mode stores Mamba state at block boundaries only; hand over on that grid so
         # D's cache manager registers the state where it will look for it later.
         grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
-    replay = max((getattr(s, "prefix_replay_tokens", 0) or 0 for s in specs), default=0)
+    # A P/D load restores a bounded-replay window, so such groups need one recomputed token,
+    # not the window (vLLM's _prefill_backoff); see RecomputeProfile.bounded_replay.
+    bounded_replay = any((getattr(s, "prefix_replay_tokens", 0) or 0) > 0 for s in specs)
     return RecomputeProfile(
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
-        bounded_replay_tokens=int(replay),
+        bounded_replay=bounded_replay,
         replay_grid=grid,
         eagle_drop=bool(grid and eagle_block_drop(vllm_config)),
     )
@@ -308,8 +310,9 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
     if spec is not None and spec.uses_draft_kv_cache():
         draft = getattr(spec, "model", None) or ""
         speculative = f"{spec.method}:{os.path.basename(str(draft).rstrip('/'))}" if draft else str(spec.method)
+    identity = model_identity(model)
     return EngineCompat(
-        model=os.path.basename(str(model.model).rstrip("/")),
+        model=identity["model"],
         dtype=str(model.dtype),
         kv_cache_dtype=cache_dtypes(vllm_config, kv_cache_config, group_ids),
         groups=groups,
@@ -317,6 +320,12 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         device=str(vllm_config.kv_transfer_config.kv_buffer_device),
         speculative=speculative,
+        model_revision=identity["model_revision"],
+        tokenizer=identity["tokenizer"],
+        tokenizer_revision=identity["tokenizer_revision"],
+        quantization=identity["quantization"],
+        rope=identity["rope"],
+        max_model_len=identity["max_model_len"],
     )
 
 

@@ -1,7 +1,7 @@
 """Test-only fault injection, in one place: inert unless the decode instance runs with
 ``PD_CONNECTOR_FAULT_INJECTION=1``. The e2e negative controls use it to show that the output
-comparison catches a one-token desync or a corrupted recurrent state; never enable it in
-production."""
+comparison catches a one-token desync, a corrupted recurrent state or another prompt's state;
+never enable it in production."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ ENV = "PD_CONNECTOR_FAULT_INJECTION"
 # resume this many tokens away from P's offset while still claiming P's real lease (the silent
 # desync of vLLM's implicit rule);
 RESUME_SHIFT = "_pd_fault_resume_shift"
-# flip the first byte of each recurrent-state page D received, as a corrupted transfer would.
+# flip the first byte of each recurrent-state page D received, as a corrupted transfer would;
 CORRUPT_STATE = "_pd_fault_corrupt_state"
+# skip D's prompt fingerprint check and claim with P's fingerprint (a handoff of another
+# prompt then loads, as it did before the check existed).
+SKIP_PROMPT_CHECK = "_pd_fault_skip_prompt_check"
 
 
 class Faults:
@@ -30,6 +33,9 @@ class Faults:
 
     def corrupts_state(self, params: Mapping[str, Any]) -> bool:
         return self.enabled and params.get(CORRUPT_STATE) is True
+
+    def skips_prompt_check(self, params: Mapping[str, Any]) -> bool:
+        return self.enabled and params.get(SKIP_PROMPT_CHECK) is True
 
 
 def flip_first_bytes(pages) -> None:

@@ -19,6 +19,10 @@ class SendLease:
     deadline: float
     offset: int
     block_ids: list[list[int]]
+    # The prompt fingerprint D's claim must match (core/prompt_digest.py).
+    digest: str = ""
+    # Decode requests that will read it (the router's pd_decode_requests: the client's n).
+    requests: int = 1
 
 
 class RecvTask(msgspec.Struct):
@@ -40,13 +44,19 @@ class RecvTask(msgspec.Struct):
     remote_block_ids: list[list[int]] | None = None
     # Test-only fault injection (see scheduler.FAULT_CORRUPT_STATE).
     corrupt_state: bool = False
+    # The prompt fingerprint D verified against its own prompt; the claim carries it.
+    prompt_digest: str = ""
 
 
 class ReleaseTask(msgspec.Struct, frozen=True):
-    """D's scheduler: tell every rank of P that nothing will be read, and why (P logs it)."""
+    """D's scheduler: tell every rank of P that nothing will be read, and why (P logs it).
+    ``request_id``: the D request that will not read (each D rank then releases as that
+    request's reader, so its siblings of an n > 1 request keep the lease); "" releases the
+    handoff whole."""
 
     prefill: PrefillRef
     reason: str
+    request_id: str = ""
 
 
 class ExtendTask(msgspec.Struct, frozen=True):

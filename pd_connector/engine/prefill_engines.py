@@ -15,7 +15,7 @@ from pd_connector.core import shards
 from pd_connector.core.params import PrefillRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
-from pd_connector.transport.prefill_calls import PrefillCalls
+from pd_connector.transport.prefill_calls import PeerRefused, PrefillCalls
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -74,6 +74,10 @@ class PrefillEngines:
                 engine = self._add_engine(key, answers)
             except shards.ShardError as exc:
                 self.errors[key] = (f"tensor-parallel layouts cannot be paired: {exc}", "tp_mismatch")
+                logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
+                continue
+            except PeerRefused as exc:
+                self.errors[key] = (f"handshake failed: {exc}", exc.kind)
                 logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
                 continue
             except Exception as exc:

@@ -122,23 +122,29 @@ class Receiver:
             self._refuse(request_id, task, "P's blocks could not be paired with this instance's", "pairing")
             return
         self._loads[request_id] = _Load(
-            task,
-            set(ranks),
-            reader=f"{self.engine_id}#{self.tp_rank}/{request_id}",
-            readers=shards.readers_per_rank(p, self.tp_size),
+            task, set(ranks), reader=self._reader(request_id), readers=shards.readers_per_rank(p, self.tp_size)
         )
         self._waiting.extend((request_id, rank) for rank in ranks)
         self._peers.connect(task.prefill)
 
+    def _reader(self, request_id: str) -> str:
+        """This rank reading for D request ``request_id``: one of the readers P's lease counts."""
+        return f"{self.engine_id}#{self.tp_rank}/{request_id}"
+
     def release_all(self, task: ReleaseTask) -> None:
         """D's scheduler will not load this handoff: every P rank may free it (each D rank sends
-        it to the P ranks it pairs with, so every P rank hears it)."""
+        it to the P ranks it pairs with, so every P rank hears it), as the reader of
+        ``task.request_id`` (its n > 1 siblings keep the lease), or whole without one."""
+        reader, readers = "", 1
         try:
             ranks = shards.peer_ranks(task.prefill.tp_size, self.tp_size, self.tp_rank)
+            if task.request_id:
+                reader = self._reader(task.request_id)
+                readers = shards.readers_per_rank(task.prefill.tp_size, self.tp_size)
         except shards.ShardError:
             ranks = range(task.prefill.tp_size) if self.tp_rank == 0 else ()
         for rank in ranks:
-            self._executor.submit(self._calls.release, task.prefill, rank, task.reason)
+            self._executor.submit(self._calls.release, task.prefill, rank, task.reason, reader, readers)
 
     def extend(self, task: ExtendTask) -> None:
         """Extend on the P ranks this rank pairs with (each D rank covers its own)."""
@@ -203,12 +209,19 @@ class Receiver:
             if load.error is not None:
                 self._end_leg(leg, release=True)
             elif error is not None:
-                # A P that never answered cannot hear a release either (it frees at expiry).
-                self._end_leg(leg, error, release="no answer from" not in error[0])
+                # A P that answered (refused, or its shards cannot pair) is told to release; one
+                # that never answered cannot hear it (it frees at its claim deadline).
+                self._end_leg(leg, error, release=error[1] != "handshake")
             elif key in self._peers.engines:
                 task = load.task
                 request = ClaimRequest(
-                    task.prefill, rank, task.replay_offset, task.remote_block_ids or [], load.reader, load.readers
+                    task.prefill,
+                    rank,
+                    task.replay_offset,
+                    task.remote_block_ids or [],
+                    load.reader,
+                    load.readers,
+                    task.prompt_digest,
                 )
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()

@@ -3,13 +3,11 @@
 Translates vLLM ``Request`` / block tables into plain values, asks the pure core
 (``handoff``, ``pairing``) what to do, and hands the worker a ``PDMetadata`` each step.
 
-P (``do_remote_decode``): ``on_new_request`` chooses the replay offset R and truncates the
-prompt to exactly R tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped
-``assert num_new_tokens > 0``, vllm#53514), idempotently under preemption. At finish, the blocks
-carrying [0, R) and the state at R are leased and returned in ``kv_transfer_params``.
+P (``do_remote_decode``): engine/prefill_half.py chooses and fingerprints R, truncates the
+prompt, and leases the blocks at finish.
 
-D (``do_remote_prefill``): ``on_new_request`` validates P's offset once (logging and counting a
-refusal once); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
+D (``do_remote_prefill``): ``on_new_request`` validates P's offset and the prompt fingerprint
+once (logging and counting a refusal once, releasing P with the reason); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
 pairing maps P's blocks onto D's and the worker reads them.
 """
 
@@ -24,11 +22,14 @@ import msgspec
 from pd_connector.core import handoff, pairing
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
-from pd_connector.core.params import KEY_MIN_RECOMPUTE, PrefillRef, encode_handoff_params, release_target
+from pd_connector.core.params import PrefillRef, release_target
+from pd_connector.core.prompt_digest import TOKENS, form_of
+from pd_connector.engine import identity
 from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.faults import Faults
-from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, SendLease, extend_tasks
+from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
+from pd_connector.engine.prefill_half import PrefillHalf
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector")
 
-_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
 def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
@@ -74,16 +74,26 @@ class SchedulerHalf:
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
-        # P: the offset chosen for each request in flight. Kept here, not in the request's
-        # kv_transfer_params, which the client controls.
-        self._p_offsets: dict[str, int] = {}
+        # P's decisions (prepare, finish), and its leases for this step.
+        self._prefill = PrefillHalf(
+            settings,
+            self.engine_id,
+            self.profile,
+            self.layouts,
+            self.group_ids,
+            self._tp_size,
+            self.recorder,
+            identity.fingerprint_form(vllm_config, kv_cache_config),
+        )
         # Per-step outboxes, drained by build_connector_meta.
-        self._to_send: dict[str, SendLease] = {}
         self._to_recv: dict[str, RecvTask] = {}
         self._to_release: list[ReleaseTask] = []
         # D: handoffs admitted this step, paired in one pass at its end (build_connector_meta).
         self._to_pair: list[Admitted] = []
         self._last_extend = time.monotonic()
+        # D: the shortest lease a P said it keeps a queued handoff (pd_lease_seconds), so the
+        # extensions of queued handoffs come every third of what P grants, not of our own.
+        self._shortest_p_lease = settings.lease_seconds
         # D: prefill engines a handoff was accepted from (one INFO line each).
         self._peers_seen: set[str] = set()
         logger.info(
@@ -107,7 +117,7 @@ class SchedulerHalf:
         if not isinstance(params, dict):
             return
         if params.get("do_remote_decode"):
-            self._prepare_prefill(request, params)
+            self._prefill.prepare(request, params)
         elif params.get("do_remote_prefill"):
             if getattr(request, "abort_immediately", False):
                 self._release_rejected(request, params)
@@ -118,19 +128,20 @@ class SchedulerHalf:
         if self._to_pair:
             self._pair_admitted()
         meta = PDMetadata(
-            to_send=self._to_send,
+            to_send=self._prefill.take_leases(),
             to_recv=self._to_recv,
             to_release=self._to_release,
             to_extend=self._due_extensions(),
         )
-        self._to_send, self._to_recv, self._to_release = {}, {}, []
+        self._to_recv, self._to_release = {}, []
         return meta
 
     def _due_extensions(self) -> list[ExtendTask]:
-        """Every ``leases.extension_interval``, the handoffs still waiting for admission here,
-        per P (P's lease length is not in kv_transfer_params: this instance's stands in)."""
+        """Every ``leases.extension_interval`` of the shortest lease P said it keeps a handoff
+        (``pd_lease_seconds``; this instance's lease_seconds for a P that does not say), the
+        handoffs still waiting for admission here, per P."""
         now = time.monotonic()
-        if not self._decisions or now - self._last_extend < extension_interval(self.settings.lease_seconds):
+        if not self._decisions or now - self._last_extend < extension_interval(self._shortest_p_lease):
             return []
         self._last_extend = now
         return extend_tasks(d.params.prefill for d in self._decisions.values())
@@ -144,86 +155,23 @@ class SchedulerHalf:
         pending = self._decisions.pop(request.request_id, None)
         if pending is not None:
             # D finished (aborted) before admission: P still holds the blocks for us.
-            self._release(pending, "decode request finished before its KV was loaded")
+            self._release(request.request_id, pending, "decode request finished before its KV was loaded")
         if not params.get("do_remote_decode"):
             return False, None
-        return self._finish_prefill(request, params, block_ids)
+        return self._prefill.finish(request, block_ids)
 
     # -- P ---------------------------------------------------------------------------------
-
-    def _prepare_prefill(self, request: "Request", params: dict[str, Any]) -> None:
-        if request.request_id in self._p_offsets:
-            return  # already truncated (preempted and re-added)
-        raw = params.get(KEY_MIN_RECOMPUTE)
-        requested = handoff.requested_min_recompute(raw)
-        if requested is None:
-            logger.warning(
-                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
-                request.request_id,
-                KEY_MIN_RECOMPUTE,
-                raw,
-            )
-            self.recorder.count("bad_min_recompute")
-            requested = 0
-        offset = 0
-        if request.prompt_token_ids is not None and not request.get_skip_reading_prefix_cache():
-            # Prompt-logprob requests skip prefix reads on D as well: nothing to hand over.
-            offset = handoff.choose_replay_offset(request.num_prompt_tokens, self.profile, requested, self.settings.min_recompute_tokens)
-        self._p_offsets[request.request_id] = offset
-        if offset > 0:
-            drop = request.num_prompt_tokens - offset
-            del request.prompt_token_ids[offset:]
-            del request._all_token_ids[offset:]
-            request.num_prompt_tokens = offset
-            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        # P's sampled token is thrown away by the router; stop after the prefill.
-        request.max_tokens = 1
-
-    def _finish_prefill(
-        self, request: "Request", params: dict[str, Any], block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        chosen = self._p_offsets.pop(request.request_id, 0)
-        if request.status.name not in _FINISHED_OK:
-            return False, None  # aborted or errored: nothing to hand over
-        offset = handoff.offered_offset(chosen, request.num_computed_tokens)
-        if offset != chosen:
-            logger.warning(
-                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
-                "nothing (the decode instance will prefill locally)",
-                request.request_id,
-                request.num_computed_tokens,
-                chosen,
-            )
-            self.recorder.count("p_offset_not_computed")
-        transfer_ids = tuple(block_ids[g] for g in self.group_ids)
-        source = pairing.select_source_blocks(self.layouts, transfer_ids, offset) if offset else []
-        out = self._returned_params(request, offset, source)
-        if not offset:
-            return False, out
-        self._to_send[request.request_id] = SendLease(
-            deadline=time.monotonic() + self.settings.lease_seconds,
-            offset=offset,
-            block_ids=source,
-        )
-        self.recorder.count("handoff_offered")
-        return True, out
-
-    def _returned_params(self, request, offset: int, source: list[list[int]]) -> dict[str, Any]:
-        return encode_handoff_params(
-            offset,
-            source,
-            engine_id=self.engine_id,
-            request_id=request.request_id,
-            host=self.settings.side_channel_host,
-            port=self.settings.side_channel_port,
-            tp_size=self._tp_size,
-        )
 
     # -- D ---------------------------------------------------------------------------------
 
     def _validate_handoff(self, request: "Request", params: dict[str, Any]) -> None:
+        check_prompt = not self._faults.skips_prompt_check(params)
         decision = handoff.decide_on_decode(
-            params, request.num_prompt_tokens, self.profile, num_groups=len(self.layouts)
+            params,
+            request.num_prompt_tokens,
+            self.profile,
+            num_groups=len(self.layouts),
+            prompt_digest=(lambda length, theirs: self._fingerprint(request, length, theirs)) if check_prompt else None,
         )
         if isinstance(decision, handoff.Refused):
             self.recorder.count(f"refused:{decision.kind}")
@@ -235,16 +183,32 @@ class SchedulerHalf:
             )
             target = decision.params.prefill if decision.params is not None else release_target(params)
             if target is not None:
-                self._queue_release(target, f"refused ({decision.kind})")
+                self._queue_release(target, f"refused ({decision.kind}): {decision.reason}", request.request_id)
             return
+        if not check_prompt:
+            logger.warning("pd_connector: FAULT INJECTION: %s skips the prompt fingerprint check", request.request_id)
         if decision.offset == 0:
             self.recorder.count("handoff_empty")
             return
+        lease = decision.params.pd_lease_seconds
+        if lease is not None and lease < self._shortest_p_lease:
+            self._shortest_p_lease = lease
         shift = self._faults.resume_shift(params)
         if shift and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
         self._decisions[request.request_id] = decision
+
+    def _fingerprint(self, request: "Request", length: int, theirs: str) -> str | None:
+        """This instance's fingerprint of the request's first ``length`` tokens in the form P
+        used (``theirs``): our own block-hash form, or every token folded; None for a form we
+        cannot compute (another hash algorithm, block size or seed)."""
+        form = form_of(theirs)
+        if form == TOKENS:
+            return identity.prompt_fingerprint(request, length)
+        if form == self._prefill.fingerprint_form[0]:
+            return identity.prompt_fingerprint(request, length, *self._prefill.fingerprint_form)
+        return None
 
     def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
         """vLLM's notice that D's serving layer rejected a request before it reached the engine
@@ -276,7 +240,7 @@ class SchedulerHalf:
             return
         if num_external_tokens <= 0:
             # A local prefix hit (or the scheduler) covered everything P offered.
-            self._release(decision, "the local prefix cache covered the handoff")
+            self._release(request.request_id, decision, "the local prefix cache covered the handoff")
             return
         # KVCacheBlocks.blocks holds the request's KVCacheBlock list per group (the manager's
         # own lists); pairing turns into ids only the blocks it pairs (get_block_ids() would
@@ -331,6 +295,7 @@ class SchedulerHalf:
                 replay_offset=params.replay_offset,
                 remote_block_ids=params.remote_block_ids,
                 corrupt_state=admitted.corrupt_state,
+                prompt_digest=params.pd_prompt_digest,
             )
             recompute = admitted.num_prompt_tokens - decision.offset
             tails.append(recompute)
@@ -363,9 +328,11 @@ class SchedulerHalf:
             self.recorder.count(f"handoff_tp:{pair}", count)
         self.recorder.observe_all("recompute_tokens", tails)
 
-    def _release(self, decision: handoff.Accepted, why: str) -> None:
+    def _release(self, request_id: str, decision: handoff.Accepted, why: str) -> None:
         logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
-        self._queue_release(decision.params.prefill, why)
+        self._queue_release(decision.params.prefill, why, request_id)
 
-    def _queue_release(self, prefill: PrefillRef, why: str) -> None:
-        self._to_release.append(ReleaseTask(prefill, why))
+    def _queue_release(self, prefill: PrefillRef, why: str, request_id: str = "") -> None:
+        """Tell P that D request ``request_id`` will not read ``prefill`` ("" : no D request
+        will), with the reason P logs."""
+        self._to_release.append(ReleaseTask(prefill, why, request_id))

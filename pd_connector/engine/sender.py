@@ -58,7 +58,8 @@ class Sender:
         self._welcome = welcome
         self._state_digest = state_digest
         self._wake = wake
-        self._leases = LeaseTable()
+        # Readers still due once every granted reader is done get the time a claim needs.
+        self._leases = LeaseTable(claim_seconds=settings.claim_deadline_seconds)
         self._lock = threading.Lock()
         # Written under _lock: the side-channel thread counts too.
         self.recorder = Recorder()
@@ -79,7 +80,9 @@ class Sender:
     def grant(self, leases: dict[str, SendLease]) -> None:
         with self._lock:
             for request_id, lease in leases.items():
-                self._leases.grant(request_id, lease.deadline, lease.offset, lease.block_ids)
+                self._leases.grant(
+                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests
+                )
         self.server.kick()  # claims that overtook these leases are answered now
 
     def held(self) -> int:
@@ -205,6 +208,8 @@ class Sender:
                 now,
                 now + self.settings.lease_seconds,
                 claim.readers,
+                claim.reader,
+                claim.prompt_digest,
             )
         if outcome == UNKNOWN:
             return Pending(reason=why)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
+from pd_connector.core.params import KEY_DECODE_REQUESTS, KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 
 # The OpenAI routes split into a prefill and a decode.
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -31,6 +31,12 @@ def build_prefill_body(body: dict, decode_min_recompute: int | None = None) -> d
     if decode_min_recompute is not None:
         # D's floor on recomputed prompt tokens; P picks a replay offset both sides accept.
         params[KEY_MIN_RECOMPUTE] = int(decode_min_recompute)
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        # n samples share one prompt: P prefills it once (vLLM would prefill n children and
+        # return one child's params) and its lease waits for D's n requests.
+        p["n"] = 1
+        params[KEY_DECODE_REQUESTS] = n
     p["kv_transfer_params"] = params
     return p
 

@@ -33,6 +33,15 @@ logger = logging.getLogger("vllm.pd_connector")
 CLAIM_PARK_S = MAX_CLAIM_PARK_MS / 2000
 
 
+class PeerRefused(side_channel.SideChannelError):
+    """P answered the handshake but D cannot use it (``kind``: ``engine_id``, ``tp_mismatch``,
+    ``incompatible``): unlike an unanswered handshake, P can be told to release."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class ClaimRequest(msgspec.Struct, frozen=True):
     """What D claims from one P rank before reading its share."""
 
@@ -42,6 +51,7 @@ class ClaimRequest(msgspec.Struct, frozen=True):
     block_ids: list[list[int]]
     reader: str
     readers: int
+    prompt_digest: str = ""
 
 
 class PrefillCalls:
@@ -60,22 +70,24 @@ class PrefillCalls:
         port = prefill.rank_port(rank)
         reply = self._call(prefill.host, port, Hello(engine_id=self.engine_id, compat=self.compat))
         if isinstance(reply, Reject):
-            raise side_channel.SideChannelError(reply.reason)
+            raise PeerRefused("incompatible", reply.reason)
         if not isinstance(reply, Welcome):
             raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
         if reply.engine_id != prefill.engine_id:
-            raise side_channel.SideChannelError(
+            raise PeerRefused(
+                "engine_id",
                 f"{prefill.host}:{port} is engine {reply.engine_id}, not "
-                f"{prefill.engine_id} named in kv_transfer_params"
+                f"{prefill.engine_id} named in kv_transfer_params",
             )
         if (reply.tp_rank, reply.tp_size) != (rank, prefill.tp_size):
-            raise side_channel.SideChannelError(
+            raise PeerRefused(
+                "tp_mismatch",
                 f"{prefill.host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, not rank "
-                f"{rank} of {prefill.tp_size} as kv_transfer_params say (side_channel_port + rank)"
+                f"{rank} of {prefill.tp_size} as kv_transfer_params say (side_channel_port + rank)",
             )
         diffs = compat_differences(self.compat, reply.compat)
         if diffs:
-            raise side_channel.SideChannelError("incompatible prefill engine: " + "; ".join(diffs))
+            raise PeerRefused("incompatible", "incompatible prefill engine: " + "; ".join(diffs))
         return reply, time.monotonic() - started
 
     def claim(self, request: ClaimRequest) -> tuple[Granted, float]:
@@ -95,6 +107,7 @@ class PrefillCalls:
                 wait_ms=max(0, int(wait_s * 1000)),
                 reader=request.reader,
                 readers=request.readers,
+                prompt_digest=request.prompt_digest,
             )
             reply = self._call(request.prefill.host, request.prefill.rank_port(request.rank), claim)
             if not isinstance(reply, Pending) or time.monotonic() >= deadline:

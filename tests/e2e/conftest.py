@@ -35,6 +35,8 @@ def start_stack(kind: str, models_root: Path, artifacts: Path, **overrides) -> P
         # D honours the test-only resume shift of the negative controls.
         decode_env={**secret, "PD_CONNECTOR_FAULT_INJECTION": "1"},
         log_dir=str(artifacts / kind),
+        # Pinned, so a restarted P comes back under the same identity (test_restart.py).
+        prefill_engine_id=f"pd-e2e-{kind}-prefill",
         **overrides,
     )
     return PDStack(config).start()

@@ -11,7 +11,9 @@ import pytest
 
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT
+from pd_connector.core.prompt_digest import prompt_digest
+from pd_connector.core.protocol import PROTOCOL_VERSION
+from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
 from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -108,14 +110,35 @@ def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
 
 def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
     """Negative control for every model: D loads KV/state of a different prompt of the same
-    length."""
+    length (D's prompt fingerprint check skipped by the test-only fault switch, as before the
+    check existed)."""
     caught = 0
     lengths = (33, 64, 100, 129, 200)
     for n in lengths:
         a, b = random_prompt(n, seed=4), random_prompt(n, seed=5)
         ref = stack.reference(a, MAX_TOKENS)
-        caught += not check(ref, stack.decode_with(a, stack.prefill_only(b), MAX_TOKENS)).ok
+        params = {**stack.prefill_only(b), SKIP_PROMPT_CHECK: True}
+        caught += not check(ref, stack.decode_with(a, params, MAX_TOKENS)).ok
     assert caught >= len(lengths) - 1, f"only {caught}/{len(lengths)} swaps detected"
+
+
+def test_params_of_another_prompt_are_refused_as_prompt_mismatch(stack):
+    """Swaps like the negative control's, without the switch: D's fingerprint of its own prompt
+    differs from P's, the handoff is refused and recomputed: aggregated output every time, each
+    refusal counted and logged with both lengths. Other prompts than the negative control's: the
+    state it loaded for those sits in the llama D's prefix cache under their tokens."""
+    lengths = (33, 64, 100, 129, 200)
+    before = stack.decode.metric("vllm:pd_events_total", {"event": "refused:prompt_mismatch"}) or 0
+    for n in lengths:
+        a, b = random_prompt(n, seed=14), random_prompt(n, seed=15)
+        got = stack.decode_with(a, stack.prefill_only(b), MAX_TOKENS)
+        assert check(stack.reference(a, MAX_TOKENS), got).ok, f"n={n}"
+    log = stack.decode.log_text()
+    assert f"the first {lengths[-1] - 1} tokens of this {lengths[-1]}-token prompt" in log
+    deadline = time.monotonic() + 10
+    while (stack.decode.metric("vllm:pd_events_total", {"event": "refused:prompt_mismatch"}) or 0) < before + len(lengths):
+        assert time.monotonic() < deadline, "refusals not counted"
+        time.sleep(0.2)
 
 
 def _dead_port():
@@ -128,8 +151,20 @@ def _dead_port():
 TAMPERED = {
     "offset_at_prompt_length": (lambda p, n: {**p, "replay_offset": n, "remote_num_tokens": n}, "refusing the handoff (offset_out_of_range)"),
     "offset_edited_alone": (lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1}, "refusing the handoff (inconsistent_params)"),
+    # The fingerprint covers the offset: D's own check sees the shorter prefix.
     "offset_edited_consistently": (
         lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1, "remote_num_tokens": p["replay_offset"] - 1},
+        "refusing the handoff (prompt_mismatch)",
+    ),
+    # ... and with the fingerprint recomputed for it too, P's claim check (offset and
+    # fingerprint against the lease).
+    "offset_and_fingerprint_edited_consistently": (
+        lambda p, n: {
+            **p,
+            "replay_offset": p["replay_offset"] - 1,
+            "remote_num_tokens": p["replay_offset"] - 1,
+            "pd_prompt_digest": prompt_digest(random_prompt(n, seed=6), p["replay_offset"] - 1),
+        },
         "P refused the claim",
     ),
     "block_ids_swapped": (
@@ -138,6 +173,7 @@ TAMPERED = {
     ),
     "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
     "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
+    "prompt_digest_edited": (lambda p, n: {**p, "pd_prompt_digest": "1:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
     # Connected already (earlier requests), so the claim is what times out. Counted on the
     # failed-load line alone: a lease extension to the dead port logs "no answer" too.
     "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "failed (no answer from 127.0.0.1"),

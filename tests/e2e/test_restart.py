@@ -1,5 +1,8 @@
-"""P dies between its prefill and D's read. Collected after the other e2e modules, so it is the
-last test on its stack (the stack's P stays down afterwards)."""
+"""P restarted or killed between handoffs. Collected after the other e2e modules: the restart
+test leaves P running, the kill test is the last test on its stack (the stack's P stays down
+afterwards)."""
+
+import time
 
 import pytest
 
@@ -8,10 +11,40 @@ from pd_connector.dev.testing.oracle import compare
 
 pytestmark = pytest.mark.e2e
 
+EXTERNAL = ("vllm:prompt_tokens_by_source", {"source": "external_kv_transfer"})
+
+
+def loaded_tokens(stack) -> float:
+    return stack.decode.metric(*EXTERNAL) or 0.0
+
+
+def test_prefill_restarted_under_its_engine_id_serves_the_next_handoffs(stack):
+    """P comes back under the same engine id (pinned in kv_transfer_config) with a new NIXL
+    agent: D's cached connection is stale. The next handoffs are accepted (D reconnects when
+    P's grant names another agent) and none returns wrong text."""
+    if stack.kind != "nemotron_h":
+        pytest.skip("one hybrid carries the destructive tests")
+    warm = random_prompt(100, seed=50)
+    assert compare(stack.reference(warm, 8), stack.handoff(warm, 8)[1], tie_margin=1e-5, logprob_tol=1e-4).ok
+    stack.prefill.restart()
+    prompts = [random_prompt(n, seed=51) for n in (64, 129, 200)]
+    before = loaded_tokens(stack)
+    offsets = []
+    for prompt in prompts:
+        params, got = stack.handoff(prompt, 8)
+        offsets.append(params["replay_offset"])
+        assert params["remote_engine_id"] == stack.config.prefill_engine_id
+        assert compare(stack.reference(prompt, 8), got, tie_margin=1e-5, logprob_tol=1e-4).ok, len(prompt)
+    deadline = time.monotonic() + 10
+    while loaded_tokens(stack) - before < sum(offsets) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert loaded_tokens(stack) - before == sum(offsets), "handoffs after the restart were not loaded"
+    assert "restarted; connecting again" in stack.decode.log_text()
+
 
 def test_prefill_killed_before_decode_reads_recomputes_locally(stack):
     if stack.kind != "nemotron_h":
-        pytest.skip("one hybrid carries the destructive test")
+        pytest.skip("one hybrid carries the destructive tests")
     prompt = random_prompt(150, seed=11)
     ref = stack.reference(prompt, 8)
     params = stack.prefill_only(prompt)

@@ -3,13 +3,26 @@ real side channel, with P's own claim handler (engine/sender.py); no NIXL transf
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
+import msgspec
 import pytest
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.protocol import Claim, EngineCompat, Granted, Pending, Reject, Welcome
+from pd_connector.core.protocol import (
+    Ack,
+    Claim,
+    EngineCompat,
+    Granted,
+    Pending,
+    ReadDone,
+    Reject,
+    Release,
+    Welcome,
+    encode_read_done,
+)
 from pd_connector.engine import sender as sender_mod
 from pd_connector.engine.metadata import SendLease
 from pd_connector.engine.sender import Sender
@@ -86,3 +99,40 @@ def test_claim_beyond_max_parked_is_pending_at_once_and_records_no_hold(served, 
     assert isinstance(reply, Pending) and "no lease for request r4" in reply.reason
     assert time.monotonic() - started < 5  # not held for the 30 s D offered
     assert served.recorder.interval.data["claim_held_seconds"] == []
+
+
+def test_claim_whose_prompt_fingerprint_was_rewritten_is_refused_by_p(served, free_port):
+    """A router that rewrote pd_prompt_digest in D's params to match D's prompt passes D's own
+    check; P compares the claimed fingerprint with the one it computed."""
+    served.grant({"r5": SendLease(time.monotonic() + 30, 31, BLOCKS, digest="1:aa")})
+    base = Claim(engine_id="d", request_id="r5", replay_offset=31, block_ids=BLOCKS, reader="d#0/x")
+    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_digest="1:bb"), 5)
+    assert isinstance(reply, Reject) and "prompt fingerprint 1:bb" in reply.reason
+    assert served.recorder.interval.data["events"]["claim_refused:prompt_mismatch"] == 1
+    assert isinstance(side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_digest="1:aa"), 5), Granted)
+
+
+def test_n_readers_of_one_handoff_keep_the_blocks_until_the_last_is_done(served, free_port):
+    """n = 2 on D: two D requests read one lease announced for two; the first one's READ
+    notification must not free the blocks, and a late claim after the end is refused at once."""
+    served.grant({"r6": SendLease(time.monotonic() + 30, 31, BLOCKS, requests=2)})
+    for reader in ("d#0/0_c", "d#0/1_c"):
+        c = Claim(engine_id="d", request_id="r6", replay_offset=31, block_ids=BLOCKS, reader=reader)
+        assert isinstance(side_channel.call(HOST, free_port, c, 5), Granted)
+    assert served.collect([encode_read_done(ReadDone("r6", "d#0/0_c"))]) == set()
+    assert served.held() == 1
+    assert served.collect([encode_read_done(ReadDone("r6", "d#0/1_c"))]) == {"r6"}
+    late = Claim(engine_id="d", request_id="r6", replay_offset=31, block_ids=BLOCKS, reader="d#0/2_c")
+    started = time.monotonic()
+    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(late, wait_ms=1000), 5)
+    assert isinstance(reply, Reject) and "already ended" in reply.reason
+    assert time.monotonic() - started < 0.5, "a definite answer, not a held or pending claim"
+
+
+def test_release_reason_reaches_p_log(served, free_port, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.pd_connector")
+    grant(served, "r7")
+    release = Release(request_ids=["r7"], reason="refused (prompt_mismatch): another prompt", reader="d#0/x")
+    assert isinstance(side_channel.call(HOST, free_port, release, 5), Ack)
+    assert "decode d#0/x released r7: refused (prompt_mismatch): another prompt" in caplog.text
+    assert served.collect([]) == {"r7"}

@@ -40,7 +40,7 @@ profiles = st.builds(
     RecomputeProfile,
     has_recurrent_state=st.booleans(),
     prefill_lookahead=st.integers(0, 6),
-    bounded_replay_tokens=st.one_of(st.just(0), st.integers(0, 8)),
+    bounded_replay=st.booleans(),
     replay_grid=st.one_of(st.just(0), st.integers(1, 64), st.sampled_from([8, 16, 32, 64, 128])),
     eagle_drop=st.booleans(),
 )
@@ -63,8 +63,9 @@ def offset_cap(n: int, profile: RecomputeProfile, requested: int = 0) -> int:
 
 
 def vllm_backoff(profile: RecomputeProfile) -> int:
-    """vLLM 0.32 ``_prefill_backoff``, for profiles without bounded replay."""
-    return max(1 if profile.has_recurrent_state else 0, profile.prefill_lookahead - 1)
+    """vLLM 0.32 ``_prefill_backoff`` (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+    base_scheduler.py): 1 for Mamba or bounded replay, else the MTP lookahead less one."""
+    return max(1 if profile.has_recurrent_state or profile.bounded_replay else 0, profile.prefill_lookahead - 1)
 
 
 def returned_params(
@@ -95,7 +96,6 @@ def test_min_recompute_is_at_least_one_and_covers_every_term(profile):
     need = min_recompute_tokens(profile)
     assert need >= 1
     assert need >= profile.prefill_lookahead - 1
-    assert need >= profile.bounded_replay_tokens
     assert need >= vllm_backoff(profile)
 
 
@@ -197,18 +197,29 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
         (1, RecomputeProfile(), 0, 0),
         (2, RecomputeProfile(), 0, 1),
         (5, RecomputeProfile(), 10, 0),
-        (10, RecomputeProfile(bounded_replay_tokens=4), 0, 6),
+        (10, RecomputeProfile(bounded_replay=True), 0, 9),
     ],
 )
 def test_choose_offset_examples(n, profile, requested, expected):
     assert choose_replay_offset(n, profile, requested) == expected
 
 
+@FAST
+@given(st.integers(2, 10**6), st.integers(0, 6))
+def test_bounded_replay_backs_off_one_token_like_vllm_not_its_window(n, lookahead):
+    """A sliding window under bounded replay (DeepSeek-V4.1) is restored by the load, so vLLM
+    backs off one token for it; recomputing the whole window (prefix_replay_tokens) threw
+    away up to a window of P's work on every handoff."""
+    profile = RecomputeProfile(bounded_replay=True, prefill_lookahead=lookahead)
+    assert min_recompute_tokens(profile) == vllm_backoff(profile) == max(1, lookahead - 1)
+    assert choose_replay_offset(n, profile) == max(0, n - vllm_backoff(profile))
+
+
 ALL_PROFILES = [
     RecomputeProfile(rec, la, bounded, grid, eagle)
     for rec in (False, True)
     for la in range(7)
-    for bounded in (0, 1, 3)
+    for bounded in (False, True)
     for grid in (0, 1, 3, 8, 16)
     for eagle in ((False, True) if grid else (False,))
 ]

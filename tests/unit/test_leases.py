@@ -14,7 +14,16 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pd_connector.core.leases import EXPIRED, GRANTED, MEMORY_TTL, MISMATCH, UNKNOWN, LeaseTable
+from pd_connector.core.leases import (
+    ENDED,
+    EXPIRED,
+    GRANTED,
+    MEMORY_TTL,
+    MISMATCH,
+    PROMPT_MISMATCH,
+    UNKNOWN,
+    LeaseTable,
+)
 
 # --- unit semantics ---------------------------------------------------------------------------
 
@@ -196,11 +205,125 @@ def test_extend_does_not_revive_or_create_leases():
     assert not t.holds("zzz") and len(t) == 0
 
 
-def test_claim_after_completion_is_unknown():
+def test_claim_after_completion_is_refused_at_once_not_left_pending():
+    """A late claim on a lease its readers ended (an n > 1 sibling the router did not announce)
+    gets a definite answer: UNKNOWN would make D poll for claim_wait_seconds."""
     t = granted_table()
     t.complete("a", now=1.0)
-    assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=300.0)[0] == UNKNOWN
+    outcome, why = t.claim("a", 40, BLOCKS, now=2.0, extend_to=300.0, reader="d#0/x")
+    assert outcome == ENDED and "already ended" in why
     assert t.take_finished() == {"a"}
+    t.expire(1.0 + MEMORY_TTL + 1)  # forgotten after the memory's time
+    assert t.claim("a", 40, BLOCKS, now=2.0 + MEMORY_TTL, extend_to=0.0)[0] == UNKNOWN
+
+
+# --- readers: TP ranks and n > 1 requests ---------------------------------------------------------
+
+
+def test_claim_with_another_prompt_fingerprint_is_refused_and_changes_nothing():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, digest="1:aa")
+    outcome, why = t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", digest="1:bb")
+    assert outcome == PROMPT_MISMATCH and "1:aa" in why and "1:bb" in why
+    assert t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", digest="")[0] == PROMPT_MISMATCH
+    assert t.expire(100.0) == ["a"]  # not extended, and no reader was registered
+
+
+def test_lease_for_n_requests_ends_after_a_reader_of_each():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=2)
+    for reader in ("d#0/0_x", "d#0/1_x"):
+        assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader=reader)[0] == GRANTED
+    assert t.complete("a", 2.0, reader="d#0/0_x") is False
+    assert t.holds("a") and t.take_finished() == set()
+    assert t.complete("a", 3.0, reader="d#0/1_x") is True
+    assert t.take_finished() == {"a"}
+
+
+def test_blocks_are_never_freed_under_a_granted_read():
+    """One announced request, two readers granted (n = 2 behind a router that did not say so):
+    the first completion must not free the blocks the second is still reading."""
+    t = LeaseTable(claim_seconds=5.0)
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS)
+    assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
+    assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="B")[0] == GRANTED
+    assert t.complete("a", 2.0, reader="A") is False
+    assert t.expire(300.0) == []  # B's claim extended it, and B is still reading
+    assert t.complete("a", 301.0, reader="B") is True
+    assert t.take_finished() == {"a"}
+
+
+def test_whole_release_waits_for_granted_readers_and_refuses_new_claims():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=3)
+    assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
+    assert t.complete("a", 2.0) is False  # D's scheduler released it: A still reads
+    assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="B")[0] == ENDED
+    assert t.complete("a", 3.0, reader="A") is True
+    assert t.take_finished() == {"a"}
+
+
+def test_readers_still_due_get_the_claim_deadline_not_the_extended_lease():
+    """An announced request that never comes (a router that said n = 2 and sent one) holds the
+    blocks for the time a claim needs after the last reader is done, not lease_seconds."""
+    t = LeaseTable(claim_seconds=5.0)
+    t.grant("a", deadline=10.0, offset=40, block_ids=BLOCKS, requests=2)
+    assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
+    assert t.complete("a", 20.0, reader="A") is False
+    assert t.expire(24.9) == []
+    assert t.expire(25.0) == ["a"]
+
+
+def test_a_reader_that_completed_cannot_claim_again():
+    t = LeaseTable()
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=2)
+    t.complete("a", 1.0, reader="A")
+    assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="A")[0] == ENDED
+    assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="B")[0] == GRANTED
+
+
+def test_a_new_handoff_starts_with_the_claim_deadline():
+    from pd_connector.core.leases import initial_lease
+
+    assert initial_lease(30.0, 120.0) == 30.0
+    assert initial_lease(300.0, 120.0) == 120.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    requests=st.integers(1, 3),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["claim", "done", "release", "expire"]), st.sampled_from("ABCD"), st.floats(0, 50)),
+        max_size=40,
+    ),
+)
+def test_no_lease_ends_under_a_granted_reader_except_at_its_deadline(requests, ops):
+    """Whatever the interleaving of claims, completions, whole releases and sweeps: a lease
+    ends by completion only once every reader granted a claim has completed; each id finishes
+    once."""
+    t = LeaseTable(claim_seconds=7.0)
+    t.grant("a", deadline=20.0, offset=1, block_ids=[[1]], digest="d", requests=requests)
+    now, granted, done, finished = 0.0, set(), set(), 0
+    for op, reader, dt in ops:
+        now += dt / 5
+        if op == "claim":
+            if t.claim("a", 1, [[1]], now, now + dt, reader=reader, digest="d")[0] == GRANTED:
+                granted.add(reader)
+        elif op == "done":
+            ended = t.complete("a", now, reader=reader)
+            done.add(reader)
+            assert not ended or granted <= done
+        elif op == "release":
+            ended = t.complete("a", now)
+            assert not ended or granted <= done
+        else:
+            t.expire(now)
+        finished += len(t.take_finished())
+        assert finished <= 1
+        if finished:
+            break
+    t.expire(float("inf"))
+    assert finished + len(t.take_finished()) == 1
 
 
 # --- random interleavings: each granted id finishes exactly once -------------------------------
@@ -272,7 +395,7 @@ class LeaseMachine(RuleBasedStateMachine):
         held = self.t.holds(rid)
         outcome, _ = self.t.claim(rid, offset, blocks, self.now, self.now + extend)
         if not held:
-            assert outcome in (UNKNOWN, EXPIRED)
+            assert outcome in (UNKNOWN, EXPIRED, ENDED)
         elif self.granted[rid] <= self.now:
             assert outcome == EXPIRED
         elif (offset, blocks) == self.leased[rid]:

@@ -286,6 +286,18 @@ def test_cli_rejects_negative_min_recompute(capsys):
     assert e.value.code == 2
 
 
+def test_n_samples_are_prefilled_once_and_announced_to_p():
+    """With n > 1 vLLM's P prefilled n children and returned one child's params: n - 1 leases
+    orphaned. The proxy asks P for one prefill and tells it how many decode requests read it."""
+    pb = proxy_mod.build_prefill_body({**CLIENT_BODY, "n": 3})
+    assert pb["n"] == 1 and pb["kv_transfer_params"] == {**PREFILL_KV_PARAMS, "pd_decode_requests": 3}
+    assert proxy_mod.build_decode_body({**CLIENT_BODY, "n": 3}, P_PARAMS)["n"] == 3
+    for n in (1, None, "2", True):
+        body = {**CLIENT_BODY, "n": n}
+        assert proxy_mod.build_prefill_body(body)["kv_transfer_params"] == PREFILL_KV_PARAMS
+        assert proxy_mod.build_prefill_body(body)["n"] == n  # left to vLLM's own validation
+
+
 def test_prefill_body_does_not_mutate_client_body():
     body = {"prompt": "x", "stream": True, "stream_options": {"a": 1}, "max_tokens": 5}
     before = json.loads(json.dumps(body))

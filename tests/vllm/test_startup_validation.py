@@ -1,5 +1,6 @@
 """Start-up refusals: one actionable message each."""
 
+import json
 import socket
 from types import SimpleNamespace
 
@@ -60,15 +61,14 @@ def test_secret_in_extra_config_is_refused_because_vllm_logs_it():
 
 
 def _vllm_config(model_dir, *, role="kv_consumer", extra=None, dtype="float32", disable_hma=None,
-                 block_size=16, sleep_mode=False):
+                 block_size=16, **model_kw):
     from vllm.config import (
         AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
         VllmConfig,
     )
 
     return VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype=dtype, seed=0, max_model_len=256,
-                                 enable_sleep_mode=sleep_mode),
+        model_config=ModelConfig(model=model_dir, dtype=dtype, seed=0, max_model_len=256, **model_kw),
         scheduler_config=SchedulerConfig(
             max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
             is_encoder_decoder=False, disable_hybrid_kv_cache_manager=disable_hma,
@@ -147,7 +147,7 @@ def test_side_channel_host_that_is_not_local_names_the_setting(host, busy_port):
 
 
 def _compat(model_dir, **kw):
-    config_kw = {k: kw.pop(k) for k in ("dtype",) if k in kw}
+    config_kw = {k: kw.pop(k) for k in ("dtype", "hf_overrides") if k in kw}
     config = _vllm_config(model_dir, **config_kw)
     if "speculative" in kw:
         # engine_compat reads only the method, whether it has drafter KV and the draft model.
@@ -181,9 +181,54 @@ def test_handshake_names_a_different_model(model_dir, tmp_path):
     renamed = tmp_path / "other-model"
     renamed.symlink_to(other)
     diffs = compat_differences(_compat(model_dir), _compat(str(renamed)))
-    assert diffs == ["model: local 'llama', remote 'other-model'"]
+    assert diffs == ["model: local 'llama', remote 'other-model'", "tokenizer: local 'llama', remote 'other-model'"]
     # The protocol version is checked on every side-channel frame before anything else:
     # tests/nixl/test_side_channel.py::test_wrong_protocol_version_gets_reject_naming_both_versions.
+
+
+def test_handshake_names_rope_overrides_that_move_positions(model_dir):
+    """--hf-overrides (or rope scaling) rotate every position differently: the basename-only
+    handshake let such a pair through and D decoded on keys rotated for other positions."""
+    mine = _compat(model_dir)
+    theta = json.loads(mine.rope)["rope_theta"]
+    scaled = _compat(model_dir, hf_overrides={"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": theta}})
+    diffs = compat_differences(mine, scaled)
+    assert [d.split(":")[0] for d in diffs] == ["rope", "max_model_len"], diffs
+    assert diffs[1] == "max_model_len: local 0, remote 256"  # compared under a scaled RoPE only
+    other_theta = _compat(model_dir, hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": theta * 2}})
+    assert [d.split(":")[0] for d in compat_differences(mine, other_theta)] == ["rope"]
+
+
+def _model_config(model="org1/X", **kw):
+    fields = dict(model=model, revision=None, tokenizer=None, tokenizer_revision=None, quantization=None,
+                  max_model_len=4096, hf_text_config=SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    return SimpleNamespace(**{**fields, **kw})
+
+
+@pytest.mark.parametrize("theirs, field", [
+    ({"model": "org2/X"}, "model"),  # the basename-only check let another org's X through
+    ({"revision": "v2"}, "model_revision"),
+    ({"tokenizer": "org1/X-chat"}, "tokenizer"),
+    ({"tokenizer_revision": "abc"}, "tokenizer_revision"),
+    ({"quantization": "fp8"}, "quantization"),
+    ({"hf_text_config": SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})}, "rope"),
+])
+def test_model_identity_names_what_decides_weights_and_positions(theirs, field):
+    from pd_connector.engine.compat import model_identity
+
+    mine, other = model_identity(_model_config()), model_identity(_model_config(**theirs))
+    assert {k for k in mine if mine[k] != other[k]} >= {field}
+
+
+def test_model_identity_tolerates_what_does_not_change_the_pages():
+    from pd_connector.engine.compat import model_identity
+
+    # The same weights mounted at different paths on P's and D's hosts.
+    assert model_identity(_model_config("/mnt/a/X")) == model_identity(_model_config("/models/X/"))
+    # Without RoPE scaling a P serving shorter prompts than D is fine.
+    assert model_identity(_model_config(max_model_len=1024)) == model_identity(_model_config())
+    yarn = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    assert model_identity(_model_config(hf_text_config=yarn))["max_model_len"] == 4096
 
 
 @pytest.fixture(scope="module")
@@ -230,10 +275,10 @@ def test_sleep_mode_is_refused_at_start_up(model_dir, monkeypatch):
     monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
     if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):  # vLLM 0.33
         with pytest.raises(ValueError, match="PDConnector does not support sleep mode"):
-            _vllm_config(model_dir, sleep_mode=True)
+            _vllm_config(model_dir, enable_sleep_mode=True)
         # Negative control: it is our answer vLLM refuses on, not sleep mode as such.
         monkeypatch.setattr(PDConnector, "supports_sleep_mode", classmethod(lambda cls, config: True))
-    config = _vllm_config(model_dir, sleep_mode=True)
+    config = _vllm_config(model_dir, enable_sleep_mode=True)
     assert config.model_config.enable_sleep_mode
     for check in (PDConnector.get_required_kvcache_layout, check_supported):
         with pytest.raises(UnsupportedConfig, match="remove --enable-sleep-mode"):

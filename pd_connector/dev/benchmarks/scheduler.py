@@ -137,7 +137,7 @@ def run_p(harness, model_dir, cfg: Config, prompts, args, cal: dict):
     ordered = [params[r.request_id] for r in reqs]
     bad = [(p, len(pr)) for p, pr in zip(ordered, prompts) if not p or p.get("replay_offset") != len(pr) - 1]
     assert not bad, f"unexpected P results, e.g. {bad[:2]}"
-    assert not s.connector._scheduler._p_offsets, "P kept offsets of finished requests"
+    assert not s.connector._scheduler._prefill.offsets, "P kept offsets of finished requests"
     return summarize(timers, d, wall, len(reqs), cal), ordered
 
 

@@ -22,13 +22,21 @@ def best_run(runs: list[dict], **labels) -> dict:
     return best
 
 
+def fingerprint_us(r: dict) -> float:
+    """µs per request of the prompt fingerprint, inside on_new_request (scheduler_timing)."""
+    from pd_connector.dev.benchmarks.scheduler_timing import FINGERPRINT
+
+    return r["hooks"].get(FINGERPRINT, {}).get("us_per_request", 0.0)
+
+
 def top_hooks(r: dict, k: int = 2) -> str:
-    ranked = sorted(r["hooks"].items(), key=lambda kv: -kv[1]["us_per_request"])[:k]
+    own = [kv for kv in r["hooks"].items() if not kv[0].startswith("nested:")]
+    ranked = sorted(own, key=lambda kv: -kv[1]["us_per_request"])[:k]
     return ", ".join(f"{label.split('.')[-1]} {h['us_per_request']:.1f}" for label, h in ranked)
 
 
 def table(results: list[dict]) -> str:
-    headers = ["config", "block", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "ours wall", "vLLM µs/req", "of which GC", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
+    headers = ["config", "block", "prompt", "half", "ours µs/req", f"<= {TARGET_US:.0f}", "of which fingerprint", "ours wall", "vLLM µs/req", "of which GC", "ours/vLLM", "runs (ours)", "largest hooks (µs/req)"]
     rows = [
         [
             r["config"],
@@ -37,6 +45,7 @@ def table(results: list[dict]) -> str:
             r["role"],
             f"{r['connector_us_per_request']:.1f}",
             "yes" if r["connector_us_per_request"] <= TARGET_US else "NO",
+            f"{fingerprint_us(r):.1f}",
             f"{r['connector_wall_us_per_request']:.1f}",
             f"{r['vllm_us_per_request']:.0f}",
             f"{r.get('gc_us_per_request', {}).get('vllm', 0.0):.0f}",

@@ -40,6 +40,9 @@ BASE_SCHEDULER_HOOKS = {
     "register_finished_partial_tail",
 }
 NOT_PER_STEP = {"build_kv_connector_stats", "build_prom_metrics", "get_required_kvcache_layout"}
+# Labels of parts timed inside our hooks (reported, never added to the totals).
+NESTED = "nested:"
+FINGERPRINT = NESTED + "prompt fingerprint"
 
 
 class Timers:
@@ -56,9 +59,11 @@ class Timers:
         # Collections during the run (see gc_accounting): CPU ns and count, in ours / in vLLM.
         self.gc_cpu: dict[str, int] = defaultdict(int)
         self.gc_runs: dict[str, int] = defaultdict(int)
+        self._originals: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
+        self._originals.append((obj, name, fn))
         wall, cpu, calls = self.wall, self.cpu, self.calls
         wall_clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
 
@@ -76,6 +81,12 @@ class Timers:
                 calls[label] += 1
 
         setattr(obj, name, timed)  # instance attribute: shadows the bound method
+
+    def restore(self) -> None:
+        """Undo every wrap (a module function wrapped for one run must not stay wrapped)."""
+        for obj, name, fn in reversed(self._originals):
+            setattr(obj, name, fn)
+        self._originals = []
 
 
 def calibrate(n: int = 100_000) -> dict[str, float]:
@@ -118,6 +129,10 @@ def instrument(scheduler, timers: Timers) -> None:
             continue
         if name in vars(cls) or name in BASE_SCHEDULER_HOOKS:
             timers.wrap(connector, name, f"PDConnector.{name}")
+    from pd_connector.engine import compat
+
+    # Inside on_new_request on both halves: P over the tokens it prefills, D over its prompt[:R].
+    timers.wrap(compat, "prompt_fingerprint", FINGERPRINT)
 
 
 class Driver:
@@ -200,18 +215,22 @@ def gc_accounting(timers: Timers):
 
 
 def summarize(timers: Timers, d: Driver, wall_ns: int, n: int, cal: dict) -> dict:
+    timers.restore()
     hooks = {}
     for label in sorted(timers.calls):
         calls = timers.calls[label]
         cpu = max(0.0, timers.cpu[label] - calls * cal["cpu"])
         wall = max(0.0, timers.wall[label] - calls * cal["wall"])
         hooks[label] = {"calls": calls, "us_per_request": cpu / n / 1e3, "wall_us_per_request": wall / n / 1e3}
-    calls = sum(timers.calls.values())
-    ours_cpu = sum(h["us_per_request"] for h in hooks.values())
-    ours_wall = sum(h["wall_us_per_request"] for h in hooks.values())
+    top = [label for label in timers.calls if not label.startswith(NESTED)]
+    calls = sum(timers.calls[label] for label in top)
+    ours_cpu = sum(hooks[label]["us_per_request"] for label in top)
+    ours_wall = sum(hooks[label]["wall_us_per_request"] for label in top)
     # Our hooks run inside vLLM's entry points: vLLM's own time is the rest, less the wrapper.
-    vllm_cpu = (sum(d.vllm_cpu.values()) - sum(timers.cpu.values()) - calls * (cal["wrapper"] - cal["wall"])) / n / 1e3
-    vllm_wall = (sum(d.vllm_wall.values()) - sum(timers.wall.values()) - calls * (cal["wrapper"] - cal["wall"])) / n / 1e3
+    spent_cpu = sum(timers.cpu[label] for label in top)
+    spent_wall = sum(timers.wall[label] for label in top)
+    vllm_cpu = (sum(d.vllm_cpu.values()) - spent_cpu - calls * (cal["wrapper"] - cal["wall"])) / n / 1e3
+    vllm_wall = (sum(d.vllm_wall.values()) - spent_wall - calls * (cal["wrapper"] - cal["wall"])) / n / 1e3
     return {
         "requests": n,
         "steps": d.steps,

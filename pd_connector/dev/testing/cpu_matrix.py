@@ -41,9 +41,11 @@ def random_prompt(n: int, seed: int) -> list[int]:
 E2E_EXTRA_CONFIG: dict[str, dict] = {
     kind: {
         "handshake_timeout_seconds": 3,
-        # Leases nobody claims (clients gone between P and D, tampered params) end within the
-        # leak checks' wait.
-        "lease_seconds": 30,
+        # Every lease must end by D's completion or release, or at the claim deadline when D
+        # cannot reach P (tampered address): a lease that waited for lease_seconds would hold
+        # P's cache past the leak checks' 10 s.
+        "lease_seconds": 600,
+        "claim_deadline_seconds": 5,
         **({"verify_state_digest": True} if kind == "nemotron_h" else {}),
     }
     for kind in CPU_MODELS

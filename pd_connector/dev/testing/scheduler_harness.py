@@ -128,6 +128,8 @@ def make_scheduler(
     # As EngineCore does (vllm/v1/engine/core.py): the scheduler's block size is the LCM of the
     # groups' and requests are hashed at hash_block_size (make_request's block_size).
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    # EngineCore sets it on the scheduler's copy before building the Scheduler (and its connector).
+    kv_cache_config.hash_block_size = hash_block_size
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -139,19 +141,25 @@ def make_scheduler(
 
 
 def make_request(
-    prompt: list[int], params: dict[str, Any] | None, max_tokens: int = 8, block_size: int = BLOCK
+    prompt: list[int],
+    params: dict[str, Any] | None,
+    max_tokens: int = 8,
+    block_size: int = BLOCK,
+    request_id: str | None = None,
+    **request_kw: Any,
 ) -> Request:
     """``block_size``: the scheduler's ``hash_block_size`` (16 unless make_scheduler was given
-    other block sizes)."""
+    other block sizes); ``request_kw``: more ``Request`` arguments (cache_salt, lora_request)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sp.update_from_generation_config({}, EOS)
     req = Request(
-        request_id=f"req-{next(_ids)}",
+        request_id=request_id or f"req-{next(_ids)}",
         prompt_token_ids=list(prompt),
         sampling_params=sp,
         pooling_params=None,
         mm_features=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
+        **request_kw,
     )
     req.kv_transfer_params = params
     return req

@@ -168,6 +168,14 @@ class VllmServer:
             _live.add(self)
         return self
 
+    def restart(self, timeout: float = 300.0) -> "VllmServer":
+        """Stop the server and start the same command again (same ports), ready when it returns."""
+        self.stop()
+        with self._lock:
+            self._proc = None
+            self.ready_after_s = None
+        return self.start().wait_ready(timeout)
+
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -25,16 +25,21 @@ from pd_connector.dev.testing.ports import free_port, free_ports
 from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
 
 
-def kv_transfer_config(role: str, side_channel_port: int, device: str = "cpu", **extra: Any) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "PDConnector",
-            "kv_connector_module_path": "pd_connector.connector",
-            "kv_role": role,
-            "kv_buffer_device": device,
-            "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
-        }
-    )
+def kv_transfer_config(
+    role: str, side_channel_port: int, device: str = "cpu", engine_id: str | None = None, **extra: Any
+) -> str:
+    """``engine_id``: pinned (vLLM's default is a new uuid per start), e.g. for a P restarted
+    under the same identity."""
+    config = {
+        "kv_connector": "PDConnector",
+        "kv_connector_module_path": "pd_connector.connector",
+        "kv_role": role,
+        "kv_buffer_device": device,
+        "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return json.dumps(config)
 
 
 def tp_args(size: int) -> list[str]:
@@ -53,6 +58,8 @@ class StackConfig:
     prefill_args: Sequence[str] = ()
     decode_args: Sequence[str] = ()
     extra_config: dict[str, Any] = field(default_factory=dict)
+    # P's kv_transfer_config engine_id (None: vLLM picks a new one at every start).
+    prefill_engine_id: str | None = None
     device: str = "cpu"
     # Per-server environment (e.g. CUDA_VISIBLE_DEVICES on GPUs).
     baseline_env: dict[str, str] = field(default_factory=dict)
@@ -108,7 +115,13 @@ class PDStack:
                 *tp_args(config.prefill_tp),
                 *config.prefill_args,
                 "--kv-transfer-config",
-                kv_transfer_config("kv_producer", self.side_channel_port, config.device, **p_extra),
+                kv_transfer_config(
+                    "kv_producer",
+                    self.side_channel_port,
+                    config.device,
+                    engine_id=config.prefill_engine_id,
+                    **p_extra,
+                ),
             ],
             env={**env, **binds["prefill"][1], **config.prefill_env},
             omp_threads_bind=binds["prefill"][0],

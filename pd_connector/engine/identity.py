@@ -1,0 +1,119 @@
+"""What identifies P's state, read from vLLM: the model's identity (compared at the handshake)
+and the prompt fingerprint's inputs (core/prompt_digest.py: vLLM's block hashes where another
+engine can reproduce them, the request's LoRA, cache salt and multimodal items)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, prompt_digest
+
+__all__ = ["TOKENS", "fingerprint_form", "model_identity", "prompt_fingerprint", "sibling_group"]
+
+
+def _name(path_or_id: Any) -> str:
+    """A Hugging Face repo id whole (``org/name``: ``org1/X`` is not ``org2/X``); a local
+    directory by its last component, since P and D may mount the same weights at different
+    paths."""
+    text = str(path_or_id or "").rstrip("/")
+    if not text:
+        return ""
+    if os.path.isabs(text) or text.startswith((".", "~")) or os.path.isdir(text):
+        return os.path.basename(text)
+    return text
+
+
+def model_identity(model_config: Any) -> dict[str, Any]:
+    """What names the weights and positions P's pages were computed with, from vLLM's
+    ``ModelConfig`` (vllm/config/model.py): model and tokenizer with their revisions, the
+    quantization method, the RoPE parameters of the resolved config (``--hf-overrides`` and
+    rope scaling included: they move every position's rotation), and ``max_model_len`` only
+    under a scaled RoPE, where the rotation can depend on it (longrope picks its factors by it,
+    dynamic NTK scales with it); without scaling positions do not depend on it, and P and D may
+    differ (a P serving shorter prompts)."""
+    rope_parameters = getattr(getattr(model_config, "hf_text_config", None), "rope_parameters", None)
+    rope = ""
+    scaled = False
+    if isinstance(rope_parameters, dict) and rope_parameters:
+        rope = json.dumps(rope_parameters, sort_keys=True, default=str)
+        kinds = [p.get("rope_type", "default") for p in iter_rope_dicts(rope_parameters)]
+        scaled = any(kind != "default" for kind in kinds)
+    return {
+        "model": _name(model_config.model),
+        "model_revision": str(getattr(model_config, "revision", None) or ""),
+        "tokenizer": _name(getattr(model_config, "tokenizer", None) or model_config.model),
+        "tokenizer_revision": str(getattr(model_config, "tokenizer_revision", None) or ""),
+        "quantization": str(getattr(model_config, "quantization", None) or ""),
+        "rope": rope,
+        "max_model_len": int(getattr(model_config, "max_model_len", 0) or 0) if scaled else 0,
+    }
+
+
+def iter_rope_dicts(rope_parameters: dict) -> list[dict]:
+    """One dict per layer type when nested (vLLM's iter_rope_parameters), else the dict."""
+    nested = [v for v in rope_parameters.values() if isinstance(v, dict)]
+    return nested if nested and len(nested) == len(rope_parameters) else [rope_parameters]
+
+
+def sibling_group(request_id: str) -> str | None:
+    """The parent of an ``n > 1`` child request: vLLM names child i ``f"{i}_{parent_id}"``
+    (ParentRequest.get_child_info, vllm/v1/engine/parallel_sampling.py), and the parent id
+    carries a random suffix (InputProcessor.assign_request_id). None for other ids."""
+    index, sep, parent = request_id.partition("_")
+    return parent if sep and parent and index.isdigit() else None
+
+
+def prompt_extra_keys(request: Any, length: int) -> tuple | None:
+    """What besides the first ``length`` prompt tokens decides the state there
+    (core/prompt_digest.extra_keys), from vLLM's ``Request``; None when the prompt cannot be
+    fingerprinted (prompt embeddings: the state depends on tensors, not tokens)."""
+    if request.prompt_embeds is not None:
+        return None
+    lora, salt, features = request.lora_request, request.cache_salt, request.mm_features
+    if not (lora or salt or features):
+        return ()  # the common case, on every handoff: no attribute chase
+    items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)) for f in features or ()]
+    return extra_keys(items, getattr(lora, "lora_name", None), salt, length)
+
+
+# vLLM seeds these block hashes randomly per process unless PYTHONHASHSEED is set
+# (resolve_none_hash_seed in vllm/v1/core/kv_cache_utils.py): not comparable across engines.
+_PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
+
+
+def fingerprint_form(vllm_config: Any, kv_cache_config: Any) -> tuple[str, int]:
+    """(form, hash block size) of this engine's prompt fingerprints (core/prompt_digest.py):
+    vLLM's own block hashes when another engine can reproduce them (EngineCore hashes every
+    request's blocks when a KV connector is loaded, at kv_cache_config.hash_block_size, with
+    --prefix-caching-hash-algo and a seed from PYTHONHASHSEED or vLLM's fixed default), else
+    every token folded."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "") or "")
+    block = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if not algo or block <= 0 or (seed is None and algo in _PER_PROCESS_SEEDED):
+        return TOKENS, 0
+    if seed is None:
+        from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+        seed = DEFAULT_NONE_HASH_SEED
+    return blocks_form(algo, block, hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()), block
+
+
+def prompt_fingerprint(request: Any, length: int, form: str = TOKENS, block_size: int = 0) -> str | None:
+    """The fingerprint of a vLLM ``Request``'s first ``length`` prompt tokens in ``form``, or
+    None if it cannot have one (prompt embeddings, or no block hashes for the blocks form)."""
+    extra = prompt_extra_keys(request, length)
+    tokens = request.prompt_token_ids
+    if extra is None or tokens is None or len(tokens) < length:
+        return None
+    if form == TOKENS:
+        return prompt_digest(tokens, length, extra)
+    full = length // block_size
+    hashes = getattr(request, "block_hashes", None) or ()
+    if len(hashes) < full:
+        return None
+    chain = hashes[full - 1] if full else b""
+    return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)

@@ -1,0 +1,210 @@
+"""P's half of the scheduler side (in vLLM's EngineCore process): what P hands over.
+
+``prepare`` (on_new_request) chooses the replay offset R and truncates the prompt to exactly R
+tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped ``assert
+num_new_tokens > 0``, vllm#53514), idempotently under preemption, and fingerprints them
+(core/prompt_digest.py). ``finish`` (request_finished) leases the blocks carrying [0, R) and the
+state at R for the claim deadline, and returns them in ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pd_connector.core import handoff, pairing
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.leases import initial_lease
+from pd_connector.core.pairing import GroupLayout
+from pd_connector.core.params import KEY_DECODE_REQUESTS, KEY_MIN_RECOMPUTE, encode_handoff_params
+from pd_connector.engine import identity
+from pd_connector.engine.metadata import SendLease
+from pd_connector.engine.metrics import Recorder
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector")
+
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class _Prefill(NamedTuple):
+    """What was decided for a request when it arrived (kept here, not in the request's
+    kv_transfer_params, which the client controls)."""
+
+    offset: int
+    digest: str = ""
+    decode_requests: int = 1
+
+
+_NOTHING = _Prefill(0)
+
+
+class PrefillHalf:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        profile: handoff.RecomputeProfile,
+        layouts: tuple[GroupLayout, ...],
+        group_ids: tuple[int, ...],
+        tp_size: int,
+        recorder: Recorder,
+        fingerprint_form: tuple[str, int] = (identity.TOKENS, 0),
+    ):
+        self.settings = settings
+        self.engine_id = engine_id
+        self.profile = profile
+        self.layouts = layouts
+        self.group_ids = group_ids
+        self._tp_size = tp_size  # in the params: D reads each rank's shard
+        self.recorder = recorder
+        self.fingerprint_form = fingerprint_form
+        self.offsets: dict[str, _Prefill] = {}
+        # Leases granted this step, drained by the scheduler's build_connector_meta.
+        self.to_send: dict[str, SendLease] = {}
+        # Handoffs of n > 1 siblings (one client request, vLLM's children "i_<parent>") by
+        # (parent, fingerprint), until their initial lease runs out: the first sibling's lease
+        # serves them all (vLLM returns one child's params for the whole request).
+        self._sibling_params: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+        # How long P keeps a handoff before D claims or extends it (P returns it in the params).
+        self._initial_lease = initial_lease(settings.claim_deadline_seconds, settings.lease_seconds)
+
+    def take_leases(self) -> dict[str, SendLease]:
+        leases, self.to_send = self.to_send, {}
+        return leases
+
+    def prepare(self, request: "Request", params: dict[str, Any]) -> None:
+        """Choose R and truncate the prompt to it (before any prefix lookup, idempotently
+        under preemption); fingerprint the R tokens."""
+        if request.request_id in self.offsets:
+            return  # already truncated (preempted and re-added)
+        raw = params.get(KEY_MIN_RECOMPUTE)
+        requested = handoff.requested_min_recompute(raw)
+        if requested is None:
+            logger.warning(
+                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
+                request.request_id,
+                KEY_MIN_RECOMPUTE,
+                raw,
+            )
+            self.recorder.count("bad_min_recompute")
+            requested = 0
+        raw = params.get(KEY_DECODE_REQUESTS)
+        decode_requests = handoff.requested_decode_requests(raw)
+        if decode_requests is None:
+            logger.warning(
+                "pd_connector: request %s: ignoring %s=%r (expected an integer from 1 to %d)",
+                request.request_id,
+                KEY_DECODE_REQUESTS,
+                raw,
+                handoff.MAX_DECODE_REQUESTS,
+            )
+            self.recorder.count("bad_decode_requests")
+            decode_requests = 1
+        offset = 0
+        # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
+        # fingerprint D could check (prompt_extra_keys): nothing to hand over.
+        if (
+            request.prompt_token_ids is not None
+            and getattr(request, "prompt_embeds", None) is None
+            and not request.get_skip_reading_prefix_cache()
+        ):
+            offset = handoff.choose_replay_offset(
+                request.num_prompt_tokens, self.profile, requested, self.settings.min_recompute_tokens
+            )
+        digest = ""
+        if offset > 0:
+            drop = request.num_prompt_tokens - offset
+            del request.prompt_token_ids[offset:]
+            del request._all_token_ids[offset:]
+            request.num_prompt_tokens = offset
+            # In this engine's form; every token folded if its block hashes are missing.
+            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form) or identity.prompt_fingerprint(request, offset)
+            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
+        self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
+        # P's sampled token is thrown away by the router; stop after the prefill.
+        request.max_tokens = 1
+
+    def finish(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """At request_finished: lease the blocks carrying [0, R) and the state at R (True: vLLM
+        keeps them until finished_sending) and return the params for D."""
+        chosen = self.offsets.pop(request.request_id, _NOTHING)
+        if request.status.name not in _FINISHED_OK:
+            return False, None  # aborted or errored: nothing to hand over
+        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
+        if offset != chosen.offset:
+            logger.warning(
+                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
+                "nothing (the decode instance will prefill locally)",
+                request.request_id,
+                request.num_computed_tokens,
+                chosen.offset,
+            )
+            self.recorder.count("p_offset_not_computed")
+        source: list[list[int]] = []
+        if offset:
+            transfer_ids = tuple(block_ids[g] for g in self.group_ids)
+            try:
+                source = pairing.select_source_blocks(self.layouts, transfer_ids, offset)
+            except pairing.PairingError as exc:
+                # Inside EngineCore's request_finished: an exception here would take the engine
+                # down. Hand over nothing; D recomputes.
+                logger.warning("pd_connector: %s: cannot select the blocks to hand over: %s", request.request_id, exc)
+                self.recorder.count("p_pairing_failed")
+                offset = 0
+        now = time.monotonic()
+        if offset:
+            shared = self._shared_sibling_params(request.request_id, chosen.digest, now)
+            if shared is not None:
+                # This sibling's blocks are freed now; D reads its sibling's identical ones.
+                self.recorder.count("handoff_shared")
+                return False, shared
+        out = self._returned_params(request, offset, source, chosen.digest if offset else "")
+        if not offset:
+            return False, out
+        self.to_send[request.request_id] = SendLease(
+            deadline=now + self._initial_lease,
+            offset=offset,
+            block_ids=source,
+            digest=chosen.digest,
+            requests=chosen.decode_requests,
+        )
+        parent = identity.sibling_group(request.request_id)
+        if parent is not None:
+            self._sibling_params[(parent, chosen.digest)] = (now + self._initial_lease, out)
+        self.recorder.count("handoff_offered")
+        return True, out
+
+    def _shared_sibling_params(self, request_id: str, digest: str, now: float) -> dict[str, Any] | None:
+        """The params of an n > 1 sibling's live handoff of the same prompt, if any. vLLM
+        returns one child's kv_transfer_params for the whole request (the last to finish,
+        vllm/v1/engine/output_processor.py), so a lease per child left n - 1 of them orphaned.
+        Entries are forgotten when their initial lease runs out (oldest first)."""
+        stale = []
+        for key, (until, _) in self._sibling_params.items():
+            if until > now:
+                break
+            stale.append(key)
+        for key in stale:
+            del self._sibling_params[key]
+        parent = identity.sibling_group(request_id)
+        if parent is None:
+            return None
+        shared = self._sibling_params.get((parent, digest))
+        return dict(shared[1]) if shared is not None else None
+
+    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str) -> dict[str, Any]:
+        return encode_handoff_params(
+            offset,
+            source,
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port,
+            tp_size=self._tp_size,
+            prompt_digest=digest,
+            lease_seconds=self._initial_lease if offset else None,
+        )

@@ -1,0 +1,73 @@
+"""Pure tests of pd_connector.core.prompt_digest: the handoff's prompt fingerprint."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, form_of, prompt_digest, token_fold
+
+tokens = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300)
+
+
+def test_token_fold_is_cpythons_64_bit_tuple_hash_known_answer():
+    """P and D must fold alike: a Python whose tuple or int hash changed would refuse every
+    handoff (loudly); this pins the values so such a change shows in CI first."""
+    assert token_fold([1, 2, 3], 0, 3) == 529344067295497451
+    assert token_fold(list(range(10)), 0, 10) == -2040549277248155741
+    assert prompt_digest([1, 2, 3], 3) == "1:t:52bcd63b95cdd855b53c63a800c11872"
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens, st.data())
+def test_any_single_changed_token_changes_the_fingerprint(prompt, data):
+    i = data.draw(st.integers(0, len(prompt) - 1), label="position")
+    new = data.draw(st.integers(0, 2**31 - 1).filter(lambda t: t != prompt[i]), label="token")
+    other = prompt[:i] + [new] + prompt[i + 1 :]
+    assert prompt_digest(prompt, len(prompt)) != prompt_digest(other, len(other))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens, st.data())
+def test_only_the_first_length_tokens_count(prompt, data):
+    length = data.draw(st.integers(1, len(prompt)), label="length")
+    tail = data.draw(st.lists(st.integers(0, 10**6), max_size=5), label="tail")
+    assert prompt_digest(prompt, length) == prompt_digest(prompt[:length] + tail, length)
+    if length > 1:
+        assert prompt_digest(prompt, length) != prompt_digest(prompt, length - 1)
+
+
+def test_blocks_form_hashes_the_chain_and_folds_only_the_tail():
+    prompt = list(range(100, 140))
+    form = blocks_form("sha256", 16, "abcd")
+    base = prompt_digest(prompt, 39, form=form, chain=b"x" * 32, chain_tokens=32)
+    assert base.startswith("1:b:sha256:16:abcd:") and form_of(base) == form
+    # Another chain (a change in the first 32 tokens, as vLLM's block hash sees it).
+    assert prompt_digest(prompt, 39, form=form, chain=b"y" * 32, chain_tokens=32) != base
+    # A change in the tail; a change in the chained tokens alone is the chain's to see.
+    assert prompt_digest(prompt[:35] + [1] + prompt[36:], 39, form=form, chain=b"x" * 32, chain_tokens=32) != base
+    assert prompt_digest([0] * 32 + prompt[32:], 39, form=form, chain=b"x" * 32, chain_tokens=32) == base
+    # The same tokens in the other form never compare equal.
+    assert prompt_digest(prompt, 39) != base and form_of(prompt_digest(prompt, 39)) == TOKENS
+
+
+def test_extra_keys_distinguish_adapter_salt_and_multimodal_items():
+    prompt = list(range(50))
+    plain = prompt_digest(prompt, 40)
+    variants = [
+        extra_keys(lora_name="sql"),
+        extra_keys(cache_salt="tenant-a"),
+        extra_keys([("img-1", 3, 10)], length=40),
+        extra_keys([("img-1", 4, 10)], length=40),
+        extra_keys([("img-2", 3, 10)], length=40),
+    ]
+    digests = {prompt_digest(prompt, 40, keys) for keys in variants}
+    assert len(digests) == len(variants) and plain not in digests
+    assert extra_keys([("img-1", 40, 10)], length=40) == ()  # placed after R: D computes it
+
+
+def test_form_of_reads_only_our_fingerprints():
+    assert form_of("1:t:" + "0" * 32) == TOKENS
+    assert form_of("1:b:sha256_cbor:32:0a0b0c0d:" + "0" * 32) == "b:sha256_cbor:32:0a0b0c0d"
+    for other in ("", "abc", "2:t:00", "1:"):
+        assert form_of(other) == ""
