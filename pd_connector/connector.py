@@ -29,6 +29,7 @@ from pd_connector.engine.compat import check_supported
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -84,6 +85,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._scheduler.build_connector_meta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler.update_connector_output(connector_output.finished_recving or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, (block_ids,))

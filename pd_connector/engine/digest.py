@@ -27,7 +27,9 @@ class PageDigester:
         # has a wider conv state whose scratch rows P never sends (layout.reconcile_regions).
         self._regions = tuple(state_rows_only(r) for r in regions)
 
-    def _pages(self, group_blocks, groups):
+    def pages(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]):
+        """uint8 views of the pages of ``group_blocks[g]`` for every layer of each group in
+        ``groups``, in region order."""
         for region in self._regions:
             if region.group not in groups:
                 continue
@@ -37,15 +39,10 @@ class PageDigester:
                 page.set_(storage, region.addr - base + block * region.block_stride, (region.page_bytes,))
                 yield page
 
-    def corrupt(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> None:
-        """Test-only fault injection: flip the first byte of each page."""
-        for page in self._pages(group_blocks, groups):
-            page[0] ^= 0xFF
-
     def digest(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> bytes:
         """SHA-256 over the pages of ``group_blocks[g]`` for every layer of each group in
         ``groups``, in region order (identical on P and D, see layout.check_matching)."""
         h = hashlib.sha256()
-        for page in self._pages(group_blocks, groups):
+        for page in self.pages(group_blocks, groups):
             h.update(page.cpu().numpy().tobytes())
         return h.digest()

@@ -6,7 +6,7 @@ never enable it in production."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 ENV = "PD_CONNECTOR_FAULT_INJECTION"
@@ -38,10 +38,18 @@ class Faults:
         return self.enabled and params.get(SKIP_PROMPT_CHECK) is True
 
 
-def flip_first_bytes(pages) -> None:
-    """Corrupt each page (a uint8 tensor) the way a bad transfer would."""
-    for page in pages:
-        page[0] ^= 0xFF
-
-
 StateCorrupter = Callable[[list[list[int]]], None]
+
+
+def state_corrupter(pages: Callable[[list[list[int]]], Iterable[Any]]) -> StateCorrupter | None:
+    """D's worker hook for ``CORRUPT_STATE`` (None unless enabled): flip the first byte of
+    each recurrent-state page of the blocks D received (``pages(blocks)``: uint8 views,
+    ``digest.PageDigester.pages``), the way a bad transfer would."""
+    if not Faults().enabled:
+        return None
+
+    def corrupt(blocks: list[list[int]]) -> None:
+        for page in pages(blocks):
+            page[0] ^= 0xFF
+
+    return corrupt

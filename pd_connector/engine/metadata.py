@@ -42,7 +42,7 @@ class RecvTask(msgspec.Struct):
     # What D claims from P before reading (P's offset and the block ids P sent).
     replay_offset: int = 0
     remote_block_ids: list[list[int]] | None = None
-    # Test-only fault injection (see scheduler.FAULT_CORRUPT_STATE).
+    # Test-only: engine/faults.py CORRUPT_STATE (False unless fault injection is on).
     corrupt_state: bool = False
     # The prompt fingerprint D verified against its own prompt; the claim carries it.
     prompt_digest: str = ""
@@ -71,10 +71,10 @@ class ExtendTask(msgspec.Struct, frozen=True):
 
 def extend_tasks(refs: Iterable[PrefillRef]) -> list[ExtendTask]:
     """One ExtendTask per P engine (side-channel address and TP size)."""
-    by_peer: dict[tuple[str, int, int], list[str]] = {}
-    for ref in refs:
-        by_peer.setdefault((ref.host, ref.port, ref.tp_size), []).append(ref.request_id)
-    return [ExtendTask(host, port, tp, ids) for (host, port, tp), ids in by_peer.items()]
+    by_peer: dict[tuple[str, int, int], dict[str, None]] = {}
+    for ref in refs:  # n > 1 siblings on D read one P request: name it once
+        by_peer.setdefault((ref.host, ref.port, ref.tp_size), {})[ref.request_id] = None
+    return [ExtendTask(host, port, tp, list(ids)) for (host, port, tp), ids in by_peer.items()]
 
 
 @dataclass

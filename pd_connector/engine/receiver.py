@@ -11,6 +11,10 @@
   is done. A P rank this rank reads nothing from (replicated units) is released instead.
 - optional digest check of the recurrent state (equal TP only).
 
+Lease keep-alive is not kept here: D's scheduler extends every handoff it depends on, from
+acceptance until this pipeline reports the load ended (``SchedulerHalf._due_extensions``); the
+worker only forwards those extensions (``extend``).
+
 A request ends when all its legs have: ``finished``, or ``failed`` if any leg failed (the
 scheduler recomputes). A failed request's legs that have not read yet release their P rank at
 once; a leg already reading runs to its end first, so nothing writes into D's blocks once vLLM
@@ -29,9 +33,9 @@ from dataclasses import dataclass, field
 
 from pd_connector.core import shards
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.leases import extension_interval
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
-from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask, extend_tasks
+from pd_connector.engine.faults import StateCorrupter
+from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.prefill_engines import PrefillEngines
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
@@ -76,7 +80,7 @@ class Receiver:
         engine_id: str,
         compat: EngineCompat,
         state_digest: Callable[[list[list[int]]], bytes] | None,
-        corrupt_state: Callable[[list[list[int]]], None] | None = None,
+        corrupt_state: StateCorrupter | None = None,
         wake: threading.Event | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -102,10 +106,6 @@ class Receiver:
         self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
         self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
         self._reads: dict[tuple[str, int], _Read] = {}
-        self._last_extend = time.monotonic()
-        # The shortest lease a P has granted: P extends by its own lease_seconds, which can be
-        # shorter than this instance's, so the extension cadence follows the shorter one.
-        self._shortest_lease = settings.lease_seconds
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
 
@@ -147,13 +147,19 @@ class Receiver:
             self._executor.submit(self._calls.release, task.prefill, rank, task.reason, reader, readers)
 
     def extend(self, task: ExtendTask) -> None:
-        """Extend on the P ranks this rank pairs with (each D rank covers its own)."""
+        """Extend on the P ranks this rank pairs with (each D rank covers its own), except the
+        requests whose leg to that rank is connecting or claiming: the claim is the lease check
+        and extends the lease when granted, and an extension behind an unanswered claim would
+        hold a side-channel thread until it times out."""
         try:
             ranks = shards.peer_ranks(task.tp_size, self.tp_size, self.tp_rank)
         except shards.ShardError:
             return
+        unclaimed = {(self._loads[rid].task.prefill.request_id, rank) for rid, rank in (*self._waiting, *self._claims)}
         for rank in ranks:
-            self._executor.submit(self._calls.extend, task.host, task.port + rank, task.request_ids)
+            ids = [rid for rid in task.request_ids if (rid, rank) not in unclaimed]
+            if ids:
+                self._executor.submit(self._calls.extend, task.host, task.port + rank, ids)
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -163,7 +169,6 @@ class Receiver:
         self._start_claims()
         self._start_reads()
         self._poll_reads()
-        self._extend_in_flight()
 
     def take_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished, set(self.failed)
@@ -182,20 +187,6 @@ class Receiver:
         if self._wake is not None:
             future.add_done_callback(lambda _: self._wake.set())
         return future
-
-    def _extend_in_flight(self) -> None:
-        """Every ``leases.extension_interval`` of the shortest lease granted, ask the P ranks of
-        this rank's READs in flight to extend their leases: a READ that outlived the lease would
-        copy blocks P has freed and reused (a stalled READ cannot be cancelled). Only granted
-        claims: before the grant the claim itself is the lease check and extends it when
-        granting. The scheduler extends the requests still waiting for admission."""
-        now = time.monotonic()
-        if now - self._last_extend < extension_interval(self._shortest_lease):
-            return
-        self._last_extend = now
-        refs = {self._loads[rid].task.prefill for rid, _ in self._reads}
-        for extension in extend_tasks(refs):
-            self.extend(extension)
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -246,8 +237,6 @@ class Receiver:
                 self._end_leg(leg, (str(exc), "claim"), release=True)
                 continue
             self.recorder.observe("claim_seconds", answered - sent)
-            if granted.lease_seconds > 0:
-                self._shortest_lease = min(self._shortest_lease, granted.lease_seconds)
             key = load.task.prefill.engine_id
             engine = self._peers.engines.get(key)
             if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):

@@ -32,7 +32,7 @@ from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.prefill_half import PrefillHalf
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
@@ -74,6 +74,8 @@ class SchedulerHalf:
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
+        # D: handoffs handed to the worker and not yet reported loaded, by D request.
+        self._loading: dict[str, PrefillRef] = {}
         # P's decisions (prepare, finish), and its leases for this step.
         self._prefill = PrefillHalf(
             settings,
@@ -137,14 +139,27 @@ class SchedulerHalf:
         return meta
 
     def _due_extensions(self) -> list[ExtendTask]:
-        """Every ``leases.extension_interval`` of the shortest lease P said it keeps a handoff
-        (``pd_lease_seconds``; this instance's lease_seconds for a P that does not say), the
-        handoffs still waiting for admission here, per P."""
+        """D's one keep-alive clock: every ``leases.extension_interval`` of the shortest lease a
+        P said it keeps a handoff (``pd_lease_seconds``; this instance's lease_seconds for a P
+        that does not say), every handoff D still depends on, per P: from acceptance, through
+        admission, claim and READ, until the worker reports the load ended. A READ that
+        outlived the lease would copy blocks P has freed and reused (a stalled READ cannot be
+        cancelled); P grants a claim at least that long, so the same cadence covers it."""
         now = time.monotonic()
-        if not self._decisions or now - self._last_extend < extension_interval(self._shortest_p_lease):
+        if not (self._decisions or self._loading) or now - self._last_extend < extension_interval(
+            self._shortest_p_lease
+        ):
             return []
         self._last_extend = now
-        return extend_tasks(d.params.prefill for d in self._decisions.values())
+        refs = [d.params.prefill for d in self._decisions.values()]
+        refs.extend(self._loading.values())
+        return extend_tasks(refs)
+
+    def update_connector_output(self, finished_recving: "Iterable[str]") -> None:
+        """The loads every D rank ended (read, or failed and to be recomputed): nothing to keep
+        alive for them any more."""
+        for request_id in finished_recving:
+            self._loading.pop(request_id, None)
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -288,6 +303,7 @@ class SchedulerHalf:
                 logger.warning("pd_connector: request %s: cannot pair blocks: %s", request_id, exc)
                 self.recorder.count("refused:pairing")
                 pairs = None
+            self._loading[request_id] = params.prefill
             self._to_recv[request_id] = RecvTask(
                 prefill=params.prefill,
                 pairs=pairs,

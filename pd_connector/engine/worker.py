@@ -23,7 +23,7 @@ from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
 from pd_connector.engine.compat import engine_compat, regions_from_kv_caches, tp_rank_and_size
 from pd_connector.engine.digest import PageDigester
-from pd_connector.engine.faults import Faults
+from pd_connector.engine.faults import state_corrupter
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import PDStats, Recorder
 from pd_connector.engine.receiver import Receiver
@@ -74,8 +74,7 @@ class WorkerHalf:
         if self.settings.verify_state_digest and self.mamba_groups:
             digester = PageDigester(kv_caches, regions)
             digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
-            if Faults().enabled:
-                corrupt = lambda blocks: digester.corrupt(blocks, self.mamba_groups)  # noqa: E731
+            corrupt = state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
         logger.info(
             "pd_connector worker: TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",
             self.tp_rank,

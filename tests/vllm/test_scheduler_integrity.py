@@ -248,6 +248,27 @@ def test_queued_handoffs_are_extended_on_the_cadence_of_the_lease_p_keeps(model_
     assert extension.request_ids == [params["remote_request_id"]]
 
 
+def test_a_handoff_is_kept_alive_from_acceptance_until_the_worker_reports_the_load(model_dir):
+    """One keep-alive clock on D: the scheduler extends a handoff while it is queued and while
+    its load runs (a READ that outlived the lease would copy blocks P has reused), on the
+    cadence of the lease P announced, and stops once every D rank reported the load ended."""
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    params = {**params, "pd_lease_seconds": 0.6}
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID, extra_config={"lease_seconds": 120})
+    req = make_request(PROMPT, params)
+    d.add_request(req)
+    out, _ = run_step(d)
+    assert req.request_id in out.kv_connector_metadata.to_recv  # admitted: the load starts
+    time.sleep(0.25)
+    out, _ = run_step(d)
+    (extension,) = out.kv_connector_metadata.to_extend
+    assert extension.request_ids == [params["remote_request_id"]]
+    run_step(d, kv_output=KVConnectorOutput(finished_recving={req.request_id}))
+    time.sleep(0.25)
+    out, _ = run_step(d)
+    assert out.kv_connector_metadata.to_extend == []
+
+
 def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_window():
     """DeepSeek-V4.1's bounded-replay sliding window: a P/D load restores it, so vLLM backs off
     one token (_prefill_backoff); the profile took prefix_replay_tokens (the window) and P
