@@ -103,11 +103,13 @@ class EngineCompat(msgspec.Struct, frozen=True):
     # which only a P running the same drafter computed. The token count may differ (the replay
     # offset absorbs that).
     speculative: str = "none"
-    # The model's identity as vLLM resolved it (engine/compat.py model_identity): weights and
-    # tokenizer (HF id or local directory name, revisions), quantization, and what decides
-    # positions: the RoPE parameters after --hf-overrides, and max_model_len where a scaled
-    # RoPE depends on it (0 otherwise). Same-shaped weights swapped under the same name and
-    # revision stay invisible.
+    # The model's identity as vLLM resolved it (engine/identity.py model_identity): weights and
+    # tokenizer (HF id or local directory name, revisions), a local directory's content
+    # (``model_files``: config, tokenizer, weight files sampled, so another model under the same
+    # directory name differs), quantization, and what decides positions: the RoPE parameters
+    # after --hf-overrides, and max_model_len where a scaled RoPE depends on it (0 otherwise).
+    # Hub weights swapped under the same id and revision stay invisible.
+    model_files: str = ""
     model_revision: str = ""
     tokenizer: str = ""
     tokenizer_revision: str = ""

@@ -11,7 +11,7 @@ from typing import Any
 
 from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, prompt_digest
 
-__all__ = ["TOKENS", "fingerprint_form", "model_identity", "prompt_fingerprint", "sibling_group"]
+__all__ = ["TOKENS", "fingerprint_form", "model_files_digest", "model_identity", "prompt_fingerprint", "sibling_group"]
 
 
 def _name(path_or_id: Any) -> str:
@@ -26,6 +26,44 @@ def _name(path_or_id: Any) -> str:
     return text
 
 
+# Files whose bytes decide what a model computes from a prompt (weights sampled, see below).
+_CONFIG_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# Bytes read from the start of each weights file's tensor data: enough to tell two trainings
+# (or two random initialisations) of the same shapes apart, cheap at start-up for any size.
+WEIGHT_SAMPLE_BYTES = 64 * 1024
+
+
+def model_files_digest(path: Any) -> str:
+    """A content fingerprint of a local model directory ("" for a hub id or a file): its config
+    and tokenizer files, the names and sizes of its weight files, and the first
+    ``WEIGHT_SAMPLE_BYTES`` of each one's tensor data (after a safetensors header). The same
+    weights mounted at two paths agree; another model under the same directory name does not.
+    Weights that differ only past each file's sample are not seen."""
+    root = str(path or "")
+    if not os.path.isdir(root):
+        return ""
+    h = hashlib.blake2b(digest_size=12)
+    names = sorted(os.listdir(root))
+    for name in names:
+        full = os.path.join(root, name)
+        if name in _CONFIG_FILES and os.path.isfile(full):
+            with open(full, "rb") as f:
+                h.update(f"{name}\0".encode() + f.read() + b"\0")
+        elif name.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(full):
+            h.update(f"{name}\0{os.path.getsize(full)}\0".encode() + _weight_sample(full))
+    return h.hexdigest()
+
+
+def _weight_sample(path: str) -> bytes:
+    with open(path, "rb") as f:
+        if path.endswith(".safetensors"):
+            head = f.read(8)
+            if len(head) == 8:
+                f.seek(8 + int.from_bytes(head, "little"))
+        return f.read(WEIGHT_SAMPLE_BYTES)
+
+
 def model_identity(model_config: Any) -> dict[str, Any]:
     """What names the weights and positions P's pages were computed with, from vLLM's
     ``ModelConfig`` (vllm/config/model.py): model and tokenizer with their revisions, the
@@ -33,7 +71,9 @@ def model_identity(model_config: Any) -> dict[str, Any]:
     rope scaling included: they move every position's rotation), and ``max_model_len`` only
     under a scaled RoPE, where the rotation can depend on it (longrope picks its factors by it,
     dynamic NTK scales with it); without scaling positions do not depend on it, and P and D may
-    differ (a P serving shorter prompts)."""
+    differ (a P serving shorter prompts). A local model directory is named by its last component
+    (P and D may mount it at different paths) and identified by its content
+    (``model_files_digest``)."""
     rope_parameters = getattr(getattr(model_config, "hf_text_config", None), "rope_parameters", None)
     rope = ""
     scaled = False
@@ -43,6 +83,7 @@ def model_identity(model_config: Any) -> dict[str, Any]:
         scaled = any(kind != "default" for kind in kinds)
     return {
         "model": _name(model_config.model),
+        "model_files": model_files_digest(model_config.model),
         "model_revision": str(getattr(model_config, "revision", None) or ""),
         "tokenizer": _name(getattr(model_config, "tokenizer", None) or model_config.model),
         "tokenizer_revision": str(getattr(model_config, "tokenizer_revision", None) or ""),

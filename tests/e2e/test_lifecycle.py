@@ -65,6 +65,50 @@ def test_a_fingerprint_rewritten_for_another_prompt_is_refused_by_p(stack):
         time.sleep(0.2)
 
 
+def _changed(prompt: list[int], at: int) -> list[int]:
+    out = list(prompt)
+    out[at] = out[at] + 1 if out[at] < 999 else 4  # still a token of random_prompt's range
+    return out
+
+
+# D's prompt from P's (prompt, R) -> (D's prompt, the refusal it must draw, or None: accepted)
+PROMPT_EDITS = {
+    "one_token_at_r_minus_1": (lambda prompt, r: _changed(prompt, r - 1), "prompt_mismatch"),
+    "one_token_at_0": (lambda prompt, r: _changed(prompt, 0), "prompt_mismatch"),
+    # The first R tokens are P's: the state P computed at R is D's too. Honoured.
+    "p_prompt_plus_a_suffix": (lambda prompt, r: prompt + random_prompt(9, seed=41), None),
+    "p_prompt_minus_its_last_token": (lambda prompt, r: prompt[:-1], "offset_out_of_range"),
+}
+
+
+@pytest.mark.parametrize("case", PROMPT_EDITS)
+def test_d_prompt_that_differs_from_p_is_answered_as_aggregated_serving_answers_it(stack, case):
+    """The router sends D another prompt than P's: one token changed at R - 1 or at 0, P's
+    prompt with a suffix, P's prompt minus its last token. Every answer equals aggregated
+    serving's for D's prompt; a mismatch is refused and counted; the suffix is honoured (the
+    tokens before R are P's), shown by D's own count of transferred tokens."""
+    edit, refusal = PROMPT_EDITS[case]
+    prompt = random_prompt(120, seed=50 + list(PROMPT_EDITS).index(case))
+    params = stack.prefill_only(prompt)
+    r = params["replay_offset"]
+    assert 0 < r < len(prompt)
+    d_prompt = edit(prompt, r)
+    refused_before = event(stack.decode, f"refused:{refusal}") if refusal else 0
+    loaded_before = metric(stack.decode, *EXTERNAL)
+    got = stack.decode_with(d_prompt, params, MAX_TOKENS)
+    assert check(stack.reference(d_prompt, MAX_TOKENS), got).ok
+    deadline = time.monotonic() + 10
+    if refusal:
+        while event(stack.decode, f"refused:{refusal}") < refused_before + 1:
+            assert time.monotonic() < deadline, f"refused:{refusal} not counted"
+            time.sleep(0.2)
+        assert metric(stack.decode, *EXTERNAL) == loaded_before
+    else:
+        while metric(stack.decode, *EXTERNAL) < loaded_before + r:
+            assert time.monotonic() < deadline, "D did not load P's R tokens"
+            time.sleep(0.2)
+
+
 # (edit of P's params for D's prompt, what P's log says about the lease afterwards)
 REFUSED = {
     "block_ids_tampered": (

@@ -9,10 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_connector.core.protocol import PROTOCOL_VERSION
-from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
 from pd_connector.core.prompt_digest import prompt_digest
 from pd_connector.core.protocol import PROTOCOL_VERSION
+from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
 from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
 from pd_connector.dev.testing.oracle import compare
 

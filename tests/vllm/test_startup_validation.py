@@ -214,14 +214,14 @@ def _model_config(model="org1/X", **kw):
     ({"hf_text_config": SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})}, "rope"),
 ])
 def test_model_identity_names_what_decides_weights_and_positions(theirs, field):
-    from pd_connector.engine.compat import model_identity
+    from pd_connector.engine.identity import model_identity
 
     mine, other = model_identity(_model_config()), model_identity(_model_config(**theirs))
     assert {k for k in mine if mine[k] != other[k]} >= {field}
 
 
 def test_model_identity_tolerates_what_does_not_change_the_pages():
-    from pd_connector.engine.compat import model_identity
+    from pd_connector.engine.identity import model_identity
 
     # The same weights mounted at different paths on P's and D's hosts.
     assert model_identity(_model_config("/mnt/a/X")) == model_identity(_model_config("/models/X/"))
@@ -229,6 +229,42 @@ def test_model_identity_tolerates_what_does_not_change_the_pages():
     assert model_identity(_model_config(max_model_len=1024)) == model_identity(_model_config())
     yarn = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     assert model_identity(_model_config(hf_text_config=yarn))["max_model_len"] == 4096
+
+
+def test_another_model_under_the_same_directory_name_is_refused_at_the_handshake_by_name(model_dir, tmp_path):
+    """The handshake compared the directory's basename only: another model saved as ``X`` (a
+    retrained or re-initialised copy, another config) passed, and D decoded on its state. The
+    same weights mounted at two paths still pair."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import msgspec
+
+    from pd_connector.core.protocol import EngineCompat, compat_differences
+    from pd_connector.engine.identity import model_files_digest, model_identity
+
+    same_a, same_b, other = (shutil.copytree(model_dir, tmp_path / d / "X") for d in ("a", "b", "c"))
+    assert model_identity(_model_config(str(same_a))) == model_identity(_model_config(str(same_b)))
+    (weights,) = other.glob("*.safetensors")
+    tensors = load_file(weights)
+    first = next(iter(tensors))
+    tensors[first] = tensors[first] + torch.ones_like(tensors[first])  # same shapes, other values
+    save_file(tensors, weights, metadata={"format": "pt"})
+    mine, theirs = model_identity(_model_config(str(same_a))), model_identity(_model_config(str(other)))
+    assert mine["model"] == theirs["model"] == "X" and mine["model_files"] != theirs["model_files"]
+    compat = EngineCompat("X", "float32", "auto", [], "", 1, "cpu")
+    diffs = compat_differences(
+        msgspec.structs.replace(compat, model_files=mine["model_files"]),
+        msgspec.structs.replace(compat, model_files=theirs["model_files"]),
+    )
+    assert diffs == [f"model_files: local {mine['model_files']!r}, remote {theirs['model_files']!r}"]
+    # config.json edited (another architecture setting) differs too; a hub id has no content.
+    config = other / "config.json"
+    config.write_text(config.read_text().replace("{", '{"pd_test_marker": 1, ', 1))
+    assert model_files_digest(other) != theirs["model_files"]
+    assert model_files_digest("org1/X") == ""
 
 
 @pytest.fixture(scope="module")
