@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
+from pd_connector.core.prompt_digest import prompt_digest
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
 from pd_connector.dev.testing.oracle import compare
@@ -121,13 +122,14 @@ def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
 
 
 def test_params_of_another_prompt_are_refused_as_prompt_mismatch(stack):
-    """The same swaps without the switch: D's fingerprint of its own prompt differs from P's,
-    the handoff is refused and recomputed: aggregated output every time, each refusal counted
-    and logged with both lengths."""
+    """Swaps like the negative control's, without the switch: D's fingerprint of its own prompt
+    differs from P's, the handoff is refused and recomputed: aggregated output every time, each
+    refusal counted and logged with both lengths. Other prompts than the negative control's: the
+    state it loaded for those sits in the llama D's prefix cache under their tokens."""
     lengths = (33, 64, 100, 129, 200)
     before = stack.decode.metric("vllm:pd_events_total", {"event": "refused:prompt_mismatch"}) or 0
     for n in lengths:
-        a, b = random_prompt(n, seed=4), random_prompt(n, seed=5)
+        a, b = random_prompt(n, seed=14), random_prompt(n, seed=15)
         got = stack.decode_with(a, stack.prefill_only(b), MAX_TOKENS)
         assert check(stack.reference(a, MAX_TOKENS), got).ok, f"n={n}"
     log = stack.decode.log_text()
@@ -148,8 +150,20 @@ def _dead_port():
 TAMPERED = {
     "offset_at_prompt_length": (lambda p, n: {**p, "replay_offset": n, "remote_num_tokens": n}, "refusing the handoff (offset_out_of_range)"),
     "offset_edited_alone": (lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1}, "refusing the handoff (inconsistent_params)"),
+    # The fingerprint covers the offset: D's own check sees the shorter prefix.
     "offset_edited_consistently": (
         lambda p, n: {**p, "replay_offset": p["replay_offset"] - 1, "remote_num_tokens": p["replay_offset"] - 1},
+        "refusing the handoff (prompt_mismatch)",
+    ),
+    # ... and with the fingerprint recomputed for it too, P's claim check (offset and
+    # fingerprint against the lease).
+    "offset_and_fingerprint_edited_consistently": (
+        lambda p, n: {
+            **p,
+            "replay_offset": p["replay_offset"] - 1,
+            "remote_num_tokens": p["replay_offset"] - 1,
+            "pd_prompt_digest": prompt_digest(random_prompt(n, seed=6), p["replay_offset"] - 1),
+        },
         "P refused the claim",
     ),
     "block_ids_swapped": (
