@@ -345,14 +345,13 @@ def prompt_extra_keys(request: Any, length: int) -> tuple | None:
     """What besides the first ``length`` prompt tokens decides the state there
     (core/prompt_digest.extra_keys), from vLLM's ``Request``; None when the prompt cannot be
     fingerprinted (prompt embeddings: the state depends on tensors, not tokens)."""
-    if getattr(request, "prompt_embeds", None) is not None:
+    if request.prompt_embeds is not None:
         return None
-    lora = getattr(request, "lora_request", None)
-    items = [
-        (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
-        for f in getattr(request, "mm_features", None) or ()
-    ]
-    return extra_keys(items, getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), length)
+    lora, salt, features = request.lora_request, request.cache_salt, request.mm_features
+    if not (lora or salt or features):
+        return ()  # the common case, on every handoff: no attribute chase
+    items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)) for f in features or ()]
+    return extra_keys(items, getattr(lora, "lora_name", None), salt, length)
 
 
 def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
