@@ -71,13 +71,17 @@ def _changed(prompt: list[int], at: int) -> list[int]:
     return out
 
 
-# D's prompt from P's (prompt, R) -> (D's prompt, the refusal it must draw, or None: accepted)
+# D's prompt from P's (prompt, R) -> (D's prompt, the refusal it must draw, or None: honoured)
 PROMPT_EDITS = {
-    "one_token_at_r_minus_1": (lambda prompt, r: _changed(prompt, r - 1), "prompt_mismatch"),
-    "one_token_at_0": (lambda prompt, r: _changed(prompt, 0), "prompt_mismatch"),
-    # The first R tokens are P's: the state P computed at R is D's too. Honoured.
-    "p_prompt_plus_a_suffix": (lambda prompt, r: prompt + random_prompt(9, seed=41), None),
-    "p_prompt_minus_its_last_token": (lambda prompt, r: prompt[:-1], "offset_out_of_range"),
+    "one_token_at_r_minus_1": lambda prompt, r: (_changed(prompt, r - 1), "prompt_mismatch"),
+    "one_token_at_0": lambda prompt, r: (_changed(prompt, 0), "prompt_mismatch"),
+    # The first R tokens are P's: the state P computed at R is D's too.
+    "p_prompt_plus_a_suffix": lambda prompt, r: (prompt + random_prompt(9, seed=41), None),
+    # R = N - 1 leaves this prompt nothing to recompute (a P with a longer tail would not).
+    "p_prompt_minus_its_last_token": lambda prompt, r: (
+        prompt[:-1],
+        "offset_out_of_range" if r >= len(prompt) - 1 else None,
+    ),
 }
 
 
@@ -87,12 +91,11 @@ def test_d_prompt_that_differs_from_p_is_answered_as_aggregated_serving_answers_
     prompt with a suffix, P's prompt minus its last token. Every answer equals aggregated
     serving's for D's prompt; a mismatch is refused and counted; the suffix is honoured (the
     tokens before R are P's), shown by D's own count of transferred tokens."""
-    edit, refusal = PROMPT_EDITS[case]
     prompt = random_prompt(120, seed=50 + list(PROMPT_EDITS).index(case))
     params = stack.prefill_only(prompt)
     r = params["replay_offset"]
     assert 0 < r < len(prompt)
-    d_prompt = edit(prompt, r)
+    d_prompt, refusal = PROMPT_EDITS[case](prompt, r)
     refused_before = event(stack.decode, f"refused:{refusal}") if refusal else 0
     loaded_before = metric(stack.decode, *EXTERNAL)
     got = stack.decode_with(d_prompt, params, MAX_TOKENS)
