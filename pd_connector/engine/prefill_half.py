@@ -69,11 +69,14 @@ class PrefillHalf:
         # (parent, fingerprint), until their initial lease runs out: the first sibling's lease
         # serves them all (vLLM returns one child's params for the whole request).
         self._sibling_params: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+        # P children sharing each lease still in to_send (the first included).
+        self._children: dict[str, int] = {}
         # How long P keeps a handoff before D claims or extends it (P returns it in the params).
         self._initial_lease = initial_lease(settings.claim_deadline_seconds, settings.lease_seconds)
 
     def take_leases(self) -> dict[str, SendLease]:
         leases, self.to_send = self.to_send, {}
+        self._children.clear()
         return leases
 
     def prepare(self, request: "Request", params: dict[str, Any]) -> None:
@@ -161,6 +164,7 @@ class PrefillHalf:
             if shared is not None:
                 # This sibling's blocks are freed now; D reads its sibling's identical ones.
                 self.recorder.count("handoff_shared")
+                self._count_sibling_reader(shared["remote_request_id"])
                 return False, shared
         out = self._returned_params(request, offset, source, chosen.digest if offset else "")
         if not offset:
@@ -177,6 +181,18 @@ class PrefillHalf:
             self._sibling_params[(parent, chosen.digest)] = (now + self._initial_lease, out)
         self.recorder.count("handoff_offered")
         return True, out
+
+    def _count_sibling_reader(self, leased_id: str) -> None:
+        """One more P child shares ``leased_id``'s lease, so one more decode request will read
+        it (a router that sent P the client's n, not ``pd_decode_requests``): the lease waits
+        for max(announced, children) readers. Only while the lease is still on its way to the
+        worker: vLLM finishes a request's children in the same step (one prompt, one token
+        each); a later child's reader is then one the lease did not expect, and D recomputes
+        if it claims after the lease ended."""
+        lease = self.to_send.get(leased_id)
+        if lease is not None:
+            self._children[leased_id] = children = self._children.get(leased_id, 1) + 1
+            lease.requests = max(lease.requests, children)
 
     def _shared_sibling_params(self, request_id: str, digest: str, now: float) -> dict[str, Any] | None:
         """The params of an n > 1 sibling's live handoff of the same prompt, if any. vLLM

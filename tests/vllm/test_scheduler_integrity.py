@@ -189,6 +189,8 @@ def test_p_siblings_of_one_n_request_share_one_lease(model_dir):
     (lease_id,) = leases
     assert all(pp == params[lease_id] for pp in params.values()), "every child returns the leased one"
     assert connector_half(p).stats["handoff_shared"] == 2
+    # A router that sent P the client's n (not pd_decode_requests) has n decode requests read it.
+    assert leases[lease_id].requests == 3
     out, _ = run_step(p, kv_output=KVConnectorOutput(finished_sending={lease_id}))
     assert not p.requests, "the other children's blocks were freed when they finished"
 
