@@ -1,9 +1,8 @@
 """Lifecycle of P's blocks on real vLLM CPU servers: every handoff D refuses frees P's cache
-within seconds (P runs with lease_seconds 600 and a 5 s claim deadline, cpu_matrix.E2E_EXTRA_
+within seconds (P runs with lease_seconds 600 and an 8 s claim deadline, cpu_matrix.E2E_EXTRA_
 CONFIG), a fingerprint rewritten for another prompt is refused by P's claim check, and n > 1
 requests through the proxy read one handoff per request, match aggregated serving, and leak
-nothing. Runs after test_pd_vs_aggregated.py on each stack (its last test leaves both caches
-empty)."""
+nothing. Each test leaves P's cache empty, whatever ran before it on the shared stack."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
