@@ -2,7 +2,7 @@
 within seconds (P runs with lease_seconds 600 and an 8 s claim deadline, cpu_matrix.E2E_EXTRA_
 CONFIG), a fingerprint rewritten for another prompt is refused by P's claim check, and n > 1
 requests through the proxy read one handoff per request, match aggregated serving, and leak
-nothing. Each test leaves P's cache empty, whatever ran before it on the shared stack."""
+nothing. It does not depend on which module ran before it on the shared stack."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
