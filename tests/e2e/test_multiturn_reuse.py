@@ -116,9 +116,10 @@ def _lengths(block: int) -> list[int]:
     return [b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b + 1, b + b // 4 + 5, 2 * b - b // 3]
 
 
-def test_d_computes_its_tail_and_turn_two_hits_with_prefix_caching(pair):
+def test_d_computes_its_tail_and_turn_two_hits_with_prefix_caching(pair, no_cache):
     """Per length: D's local_compute grows by exactly 1 (its minimum) and outputs match
-    aggregated serving; turn 2 through P hits at least the aggregated conversation's hit, unless
+    aggregated serving and the same handoff without prefix caching (the no-cache instance
+    handing over to itself); turn 2 through P hits at least the aggregated conversation's hit, unless
     that hit needs state past the N - 1 tokens P computed (then at least vLLM's prompt
     checkpoint); turn 2 on D hits at least the aggregated hit when the handoff lands on the
     checkpoint (N - 1 = checkpoint) or the hit is a checkpoint D decoded past."""
@@ -133,6 +134,8 @@ def test_d_computes_its_tail_and_turn_two_hits_with_prefix_caching(pair):
         computed = _local_compute(b) - before
         salt = f"agg-{n}"
         assert check(_salted(a, turn1, salt), out1).ok, n
+        _, uncached = handoff(no_cache, no_cache, turn1, MAX_TOKENS)
+        assert check(uncached, out1).ok, n
         turn2 = turn1 + out1.token_ids + random_prompt(16, seed=400 + i)  # 3B+1 + 28 fits 2048 at B=640
         hit_agg = _hit_delta(a, lambda: _salted(a, turn2, salt, 1))
         hit_p = _hit_delta(a, lambda: a.prefill(turn2))
