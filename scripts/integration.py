@@ -6,7 +6,7 @@ any mismatch.
   --device cpu   (default) tiny random-weight models built offline, vLLM CPU, float32
   --device cuda  two GPUs (P and the baseline on GPU 0, D on GPU 1), real hybrids from the hub:
                  by default ibm-granite/granite-4.0-h-tiny with prefix caching (Mamba align mode:
-                 the offset lies on the replay grid) and Qwen/Qwen3.5-0.8B with native MTP, once
+                 D recomputes only its one-token tail) and Qwen/Qwen3.5-0.8B with native MTP, once
                  per speculative token count (--spec-tokens) and once skewed (P 1 token, D 3
                  tokens: D refuses P's offset and recomputes, or, with --hint, the proxy passes
                  D's requirement to P and the handoff is honoured).
@@ -80,7 +80,7 @@ def cuda_runs(args):
     # of 4e-3 (the measured noise of the P/D split); logprobs are not held to a tolerance.
     for model in args.models or ["ibm-granite/granite-4.0-h-tiny", *MTP_MODELS]:
         if model not in MTP_MODELS:
-            # vLLM's GPU default keeps prefix caching on: Mamba align mode, offsets on the grid.
+            # vLLM's GPU default keeps prefix caching on: Mamba align mode.
             yield model, _cuda_config(args, model, "prefix-caching"), block, args.tie_margin, None
             continue
         for k in args.spec_tokens:

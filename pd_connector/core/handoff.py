@@ -48,12 +48,14 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     # (vLLM's ``_prefill_backoff`` backs off 1 for them, not the window: a P/D load restores
     # the window, ``Scheduler._load_restores_replay_window``). The >= 1 floor covers it.
     bounded_replay: bool = False
-    # Prefix caching in Mamba ``align`` mode stores recurrent state only on a grid of this many
-    # tokens; an offset on the grid lets the receiving engine register the state where its own
-    # cache manager will look for it. 0 = no grid.
+    # Prefix caching in Mamba ``align`` mode: vLLM looks Mamba state up (and registers it) only
+    # at multiples of this many tokens, the Mamba group's cache-hit alignment: the
+    # ``prefix_match_unit`` when it is finer than the block, else the block size. 0 = no
+    # prefix caching of recurrent state.
     replay_grid: int = 0
-    # EAGLE-family drafting with prefix caching: vLLM checkpoints Mamba state one grid unit
-    # earlier (get_mamba_prefill_checkpoint_position: floor(N/u)*u - u, "the EAGLE drop").
+    # vLLM's ``SpeculativeConfig.use_eagle_block_drop()`` with prefix caching: the prompt
+    # checkpoint sits one unit earlier (``get_mamba_prefill_checkpoint_position``:
+    # floor(N/u)*u - u, "the EAGLE drop").
     eagle_drop: bool = False
 
 
@@ -67,12 +69,33 @@ def min_recompute_tokens(profile: RecomputeProfile) -> int:
     return max(1, profile.prefill_lookahead - 1)
 
 
-def choose_replay_offset(
+def mamba_checkpoint_position(num_tokens: int, unit: int, drop: bool) -> int:
+    """Where vLLM keeps a prompt's reusable Mamba state: ``get_mamba_prefill_checkpoint_position``
+    (vllm/v1/kv_cache_interface.py), restated so the core needs no vLLM (tests/vllm compare them).
+    The last multiple of ``unit`` below ``num_tokens``, one unit earlier with the EAGLE drop.
+    vLLM 0.33's ``num_hash_lookahead_tokens`` is left out: vLLM keeps it 0 under a KV connector."""
+    limit = num_tokens if drop else num_tokens - 1
+    position = limit // unit * unit - (unit if drop else 0)
+    return max(position, 0)
+
+
+class HandoffPlan(msgspec.Struct, frozen=True):
+    """What P does with one prompt: compute and hand over ``offset`` tokens (D recomputes the
+    rest). ``checkpoint``: vLLM's prompt checkpoint for the whole prompt (where an engine that
+    served it alone keeps the Mamba state for the next turn); 0 without prefix caching of
+    recurrent state."""
+
+    offset: int
+    checkpoint: int = 0
+
+
+def plan_handoff(
     num_prompt_tokens: int,
     profile: RecomputeProfile,
     requested_min_recompute: int = 0,
     configured_min_recompute: int = 0,
-) -> int:
+    max_checkpoint_recompute: int = 0,
+) -> HandoffPlan:
     """P's single decision: how many prompt tokens to compute and hand over.
 
     The recompute tail left to D is the largest of three floors: P's own
@@ -80,19 +103,41 @@ def choose_replay_offset(
     router passes it (the ``pd_min_recompute_tokens`` field), and ``configured_min_recompute``,
     P's ``min_recompute_tokens`` setting, for routers that pass no hint (vllm-router replaces
     the whole ``kv_transfer_params`` it sends P) in front of decode instances that need a longer
-    tail than P's own. The result lies in ``[0, N)``; 0 means "nothing worth handing over": D
-    recomputes the whole prompt.
+    tail than P's own. The offset is ``N - tail`` in every cache mode: D recomputes only that.
+
+    With prefix caching on a hybrid, D registers the state it receives at the offset only:
+    vLLM's MambaManager gives a handoff's request a state block at its tip and null blocks below
+    (``MambaManager.allocate_new_blocks``), so D keeps the prompt checkpoint ``C`` in its own
+    prefix cache only when the offset is ``C``. ``max_checkpoint_recompute`` trades D compute for
+    that: when ``N - tail - C`` is at most this many tokens, the offset is ``C``.
+
+    The offset lies in ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole
+    prompt.
     """
     if num_prompt_tokens <= 0:
-        return 0
+        return HandoffPlan(0)
     tail = max(min_recompute_tokens(profile), requested_min_recompute, configured_min_recompute, 0)
-    offset = num_prompt_tokens - tail
-    grid = profile.replay_grid
-    if grid > 0:
-        offset -= offset % grid
-        if profile.eagle_drop:
-            offset = min(offset, num_prompt_tokens // grid * grid - grid)
-    return max(0, offset)
+    offset = max(0, num_prompt_tokens - tail)
+    unit = profile.replay_grid
+    if unit <= 0:
+        return HandoffPlan(offset)
+    checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop)
+    if 0 < checkpoint <= offset and offset - checkpoint <= max_checkpoint_recompute:
+        offset = checkpoint
+    return HandoffPlan(offset, checkpoint)
+
+
+def choose_replay_offset(
+    num_prompt_tokens: int,
+    profile: RecomputeProfile,
+    requested_min_recompute: int = 0,
+    configured_min_recompute: int = 0,
+    max_checkpoint_recompute: int = 0,
+) -> int:
+    """``plan_handoff``'s offset."""
+    return plan_handoff(
+        num_prompt_tokens, profile, requested_min_recompute, configured_min_recompute, max_checkpoint_recompute
+    ).offset
 
 
 def offered_offset(chosen: int, num_computed_tokens: int) -> int:
@@ -246,12 +291,15 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Accepted",
     "Decision",
+    "HandoffPlan",
     "RecomputeProfile",
     "Refused",
     "choose_replay_offset",
     "decide_on_decode",
+    "mamba_checkpoint_position",
     "min_recompute_tokens",
     "offered_offset",
+    "plan_handoff",
     "requested_decode_requests",
     "requested_min_recompute",
 ]

@@ -71,11 +71,9 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
     kinds = [_spec_kind(s)[0] for s in specs]
     has_mamba = MAMBA in kinds
     grid = 0
-    cache_config = vllm_config.cache_config
-    if has_mamba and cache_config.enable_prefix_caching:
-        # Align mode stores Mamba state at block boundaries only; hand over on that grid so
-        # D's cache manager registers the state where it will look for it later.
-        grid = max(s.block_size for s, k in zip(specs, kinds) if k == MAMBA)
+    if has_mamba and vllm_config.cache_config.enable_prefix_caching:
+        # Align mode keeps Mamba state only where the cache manager looks it up.
+        grid = _cache_hit_alignment(vllm_config, kv_cache_config)
     # A P/D load restores a bounded-replay window, so such groups need one recomputed token,
     # not the window (vLLM's _prefill_backoff); see RecomputeProfile.bounded_replay.
     bounded_replay = any((getattr(s, "prefix_replay_tokens", 0) or 0) > 0 for s in specs)
@@ -86,6 +84,18 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         replay_grid=grid,
         eagle_drop=bool(grid and eagle_block_drop(vllm_config)),
     )
+
+
+def _cache_hit_alignment(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The token granularity of the Mamba group's prefix-cache hits and prompt checkpoints, as
+    the engine core derives it (``resolve_kv_cache_block_sizes`` then
+    ``resolve_cache_hit_alignment_tokens`` in vllm/v1/core/kv_cache_utils.py, both versions;
+    ``MambaManager`` checkpoints on it): the ``prefix_match_unit`` when it is finer than the
+    Mamba block, else the scheduler block size."""
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return int(resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, scheduler_block, hash_block))
 
 
 def eagle_block_drop(vllm_config: Any) -> bool:
@@ -285,7 +295,9 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
         groups.append(
             GroupDesc(
                 kind=layout.kind,
-                block_size=layout.block_size,
+                # A Mamba block holds one state whatever its size (max_model_len without prefix
+                # caching, the align-mode block with it): the slot copy does not depend on it.
+                block_size=0 if layout.kind == MAMBA else layout.block_size,
                 # Mamba pages are padded to the attention page and hold a conv state whose width
                 # depends on the speculative token count; what must agree is per state, checked
                 # by layout.reconcile_regions on the page map. Attention pages must be equal.

@@ -116,7 +116,11 @@ class PrefillHalf:
             and not request.get_skip_reading_prefix_cache()
         ):
             offset = handoff.choose_replay_offset(
-                request.num_prompt_tokens, self.profile, requested, self.settings.min_recompute_tokens
+                request.num_prompt_tokens,
+                self.profile,
+                requested,
+                self.settings.min_recompute_tokens,
+                self.settings.max_checkpoint_recompute,
             )
         digest = ""
         if offset > 0:

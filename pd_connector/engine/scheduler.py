@@ -100,7 +100,7 @@ class SchedulerHalf:
         self._peers_seen: set[str] = set()
         logger.info(
             "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
-            "replay grid %d",
+            "prefix-cache checkpoint unit %d",
             self.engine_id,
             [layout.kind for layout in self.layouts],
             handoff.min_recompute_tokens(self.profile),

@@ -13,11 +13,14 @@ from hypothesis import strategies as st
 
 from pd_connector.core.handoff import (
     Accepted,
+    HandoffPlan,
     RecomputeProfile,
     Refused,
     choose_replay_offset,
     decide_on_decode,
+    mamba_checkpoint_position,
     min_recompute_tokens,
+    plan_handoff,
 )
 from pd_connector.core.params import (
     encode_handoff_params,
@@ -53,13 +56,16 @@ skew_profiles = st.builds(
 prompt_lengths = st.integers(1, 5000)
 
 
-def offset_cap(n: int, profile: RecomputeProfile, requested: int = 0) -> int:
-    """The largest offset P may choose before grid flooring: N minus the recompute tail, and
-    with the EAGLE drop on a grid, vLLM's EAGLE checkpoint position floor(N/u)*u - u."""
-    cap = n - max(min_recompute_tokens(profile), requested)
-    if profile.replay_grid > 0 and profile.eagle_drop:
-        cap = min(cap, n // profile.replay_grid * profile.replay_grid - profile.replay_grid)
-    return cap
+def expected_offset(n: int, profile: RecomputeProfile, requested: int = 0, max_extra: int = 0) -> int:
+    """The rule restated: N minus the recompute tail, or vLLM's prompt checkpoint when it is no
+    more than ``max_extra`` tokens below that (align mode, ``max_checkpoint_recompute``)."""
+    offset = max(0, n - max(min_recompute_tokens(profile), requested))
+    u = profile.replay_grid
+    if u > 0:
+        checkpoint = vllm_mamba_checkpoint(n, u, profile.eagle_drop)
+        if 0 < checkpoint <= offset and offset - checkpoint <= max_extra:
+            return checkpoint
+    return offset
 
 
 def vllm_backoff(profile: RecomputeProfile) -> int:
@@ -117,7 +123,7 @@ def test_min_recompute_matches_vllm_backoff_table(recurrent, lookahead, expected
     assert min_recompute_tokens(profile) == expected
 
 
-# --- choose_replay_offset ---------------------------------------------------------------------
+# --- choose_replay_offset / plan_handoff --------------------------------------------------------
 
 
 @MANY
@@ -130,25 +136,48 @@ def test_choose_offset_bounds(n, profile, requested):
         assert offset <= n - min_recompute_tokens(profile)
         assert offset <= n - requested
         assert n - offset >= max(min_recompute_tokens(profile), requested)
-    if profile.replay_grid > 0:
-        assert offset % profile.replay_grid == 0
 
 
 @MANY
 @given(prompt_lengths, profiles, st.integers(0, 6000))
-def test_choose_offset_backs_off_no_further_than_needed(n, profile, requested):
-    """The offset is the *largest* admissible one: the next grid point (or next token) would
-    leave too few tokens to recompute (or, with the EAGLE drop, pass vLLM's EAGLE checkpoint)."""
-    offset = choose_replay_offset(n, profile, requested)
-    cap = offset_cap(n, profile, requested)
-    step = profile.replay_grid or 1
-    assert offset <= cap or offset == 0
-    assert offset + step > cap
+def test_d_recomputes_only_its_minimum_in_every_cache_mode(n, profile, requested):
+    """By default the offset is N minus D's tail whatever the prefix-caching grid or the EAGLE
+    drop: D never recomputes more than it must (the grid used to move up to a unit of prefill
+    work onto D)."""
+    tail = max(min_recompute_tokens(profile), requested)
+    assert choose_replay_offset(n, profile, requested) == max(0, n - tail)
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(0, 200), st.integers(0, 300))
+def test_checkpoint_trade_lands_on_vllm_checkpoint_within_its_budget(n, profile, requested, max_extra):
+    """With ``max_checkpoint_recompute``, the offset is vLLM's prompt checkpoint exactly when it
+    costs D at most that many extra tokens; otherwise N minus the tail. Never below the
+    checkpoint, never more extra work than allowed."""
+    plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
+    tail = max(min_recompute_tokens(profile), requested)
+    assert plan.offset == expected_offset(n, profile, requested, max_extra)
+    assert 0 <= max(0, n - tail) - plan.offset <= max_extra
+    if profile.replay_grid > 0:
+        assert plan.checkpoint == vllm_mamba_checkpoint(n, profile.replay_grid, profile.eagle_drop)
+    else:
+        assert plan.checkpoint == 0
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(0, 200), st.integers(0, 200), st.integers(0, 300))
+def test_configured_floor_and_checkpoint_trade_combine(n, profile, requested, configured, max_extra):
+    """P's ``min_recompute_tokens`` setting is one more floor on the tail before the trade: the
+    plan is the plan for the larger of the request's hint and the setting."""
+    got = plan_handoff(n, profile, requested, configured, max_extra)
+    assert got == plan_handoff(n, profile, max(requested, configured), 0, max_extra)
+    assert n - got.offset >= max(min_recompute_tokens(profile), requested, configured) or got.offset == 0
 
 
 @pytest.mark.parametrize("n", [0, -1, -100])
 def test_choose_offset_for_empty_prompt_is_zero(n):
     assert choose_replay_offset(n, RecomputeProfile(has_recurrent_state=True)) == 0
+    assert plan_handoff(n, RecomputeProfile(replay_grid=16), max_checkpoint_recompute=10**6) == HandoffPlan(0)
 
 
 def test_choose_offset_equals_vllm_implicit_rule_exhaustive():
@@ -185,23 +214,29 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
 
 
 @pytest.mark.parametrize(
-    "n, profile, requested, expected",
+    "n, profile, requested, max_extra, expected",
     [
-        (40, RecomputeProfile(has_recurrent_state=True), 0, 39),  # vLLM's P computes 39 of 40
-        (40, RecomputeProfile(), 0, 39),
-        (40, RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3), 0, 38),
-        (40, RecomputeProfile(has_recurrent_state=True), 2, 38),  # D runs MTP K=3
-        (128, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 96),
-        (129, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 128),
-        (31, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 0),
-        (1, RecomputeProfile(), 0, 0),
-        (2, RecomputeProfile(), 0, 1),
-        (5, RecomputeProfile(), 10, 0),
-        (10, RecomputeProfile(bounded_replay=True), 0, 9),
+        (40, RecomputeProfile(has_recurrent_state=True), 0, 0, 39),  # vLLM's P computes 39 of 40
+        (40, RecomputeProfile(), 0, 0, 39),
+        (40, RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3), 0, 0, 38),
+        (40, RecomputeProfile(has_recurrent_state=True), 2, 0, 38),  # D runs MTP K=3
+        # The measured case of the brief: 640-token grid, N=805 and 1153 no longer floored.
+        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 0, 804),
+        (1153, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 0, 1152),
+        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 640, 640),
+        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 163, 804),
+        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 164, 640),
+        (128, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 10**6, 96),
+        (129, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 0, 128),
+        (31, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 10**6, 30),
+        (1, RecomputeProfile(), 0, 0, 0),
+        (2, RecomputeProfile(), 0, 0, 1),
+        (5, RecomputeProfile(), 10, 0, 0),
+        (10, RecomputeProfile(bounded_replay=True), 0, 0, 9),
     ],
 )
-def test_choose_offset_examples(n, profile, requested, expected):
-    assert choose_replay_offset(n, profile, requested) == expected
+def test_choose_offset_examples(n, profile, requested, max_extra, expected):
+    assert choose_replay_offset(n, profile, requested, max_checkpoint_recompute=max_extra) == expected
 
 
 @FAST
@@ -226,86 +261,49 @@ ALL_PROFILES = [
 
 
 def test_choose_offset_exhaustive_small_prompts():
-    """Every prompt length 1..96 x 378 profiles x requested tails: bounds, grid and maximality
-    (about 220k configurations, plain loops)."""
+    """Every prompt length 1..96 x 378 profiles x requested tails x budgets: bounds and the
+    rule (plain loops)."""
     for profile in ALL_PROFILES:
         need = min_recompute_tokens(profile)
-        step = profile.replay_grid or 1
         for requested in (-3, 0, 1, 2, 3, 5, 40, 500):
             tail = max(need, requested)
-            for n in range(1, 97):
-                offset = choose_replay_offset(n, profile, requested)
-                cap = offset_cap(n, profile, requested)
-                ctx = (n, profile, requested, offset)
-                assert 0 <= offset < n, ctx
-                assert offset == 0 or n - offset >= tail, ctx
-                assert offset % step == 0, ctx
-                assert offset == max(0, cap - cap % step), ctx
+            for max_extra in (0, 10**6):
+                for n in range(1, 97):
+                    offset = choose_replay_offset(n, profile, requested, max_checkpoint_recompute=max_extra)
+                    ctx = (n, profile, requested, max_extra, offset)
+                    assert 0 <= offset < n, ctx
+                    assert offset == 0 or n - offset >= tail, ctx
+                    assert offset == expected_offset(n, profile, requested, max_extra), ctx
 
 
 def vllm_mamba_checkpoint(n: int, unit: int, eagle: bool) -> int:
-    """vLLM's ``get_mamba_prefill_checkpoint_position`` (vllm/v1/kv_cache_interface.py)."""
-    return max(0, (n // unit) * unit - unit) if eagle else ((n - 1) // unit) * unit
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` (vllm/v1/kv_cache_interface.py;
+    tests/vllm compare the core's restatement with vLLM's own function)."""
+    return max(0, (n // unit) * unit - unit if eagle else ((n - 1) // unit) * unit)
 
 
-def test_grid_offset_is_vllm_mamba_checkpoint_without_eagle():
-    """Align mode without EAGLE: the offset is where vLLM's own prefill checkpoint lies, so D
-    registers the received state where its cache manager looks."""
+def test_checkpoint_position_examples():
     assert vllm_mamba_checkpoint(80, 8, False) == 72
     assert vllm_mamba_checkpoint(15, 2, True) == 12
     assert vllm_mamba_checkpoint(128, 32, True) == 96
+    for unit in (1, 2, 8, 16, 32, 64, 640):
+        for eagle in (False, True):
+            for n in range(0, 3 * unit + 3):
+                assert mamba_checkpoint_position(n, unit, eagle) == vllm_mamba_checkpoint(n, unit, eagle), (n, unit)
+
+
+def test_unbounded_trade_is_vllm_checkpoint_with_and_without_eagle():
+    """With an unbounded budget the offset is vLLM's prefill checkpoint wherever one exists, so
+    D registers the received state where its cache manager looks (vllm#51295, #53945)."""
     for unit in (1, 2, 8, 16, 32, 64):
-        profile = RecomputeProfile(has_recurrent_state=True, replay_grid=unit)
-        for n in range(1, 400):
-            assert choose_replay_offset(n, profile) == vllm_mamba_checkpoint(n, unit, False), n
-
-
-def test_grid_offset_is_vllm_mamba_checkpoint_with_eagle():
-    """Align mode with EAGLE (lookahead 1, recurrent): vLLM checkpoints one grid unit earlier,
-    floor(N/u)*u - u, and the offset lands exactly there (vllm#51295, #53945)."""
-    for unit in (1, 2, 8, 16, 32, 64):
-        profile = RecomputeProfile(
-            has_recurrent_state=True, prefill_lookahead=1, replay_grid=unit, eagle_drop=True
-        )
-        for n in range(1, 400):
-            assert choose_replay_offset(n, profile) == vllm_mamba_checkpoint(n, unit, True), n
-
-
-@pytest.mark.parametrize(
-    "n, unit, expected",
-    [(128, 32, 96), (129, 32, 96), (159, 32, 96), (160, 32, 128), (63, 32, 0), (64, 32, 32),
-     (31, 32, 0), (15, 2, 12), (16, 2, 14), (2, 1, 1), (1, 1, 0)],
-)
-def test_eagle_drop_examples(n, unit, expected):
-    eagle = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1, replay_grid=unit, eagle_drop=True)
-    assert choose_replay_offset(n, eagle) == expected
-
-
-@MANY
-@given(prompt_lengths, profiles, st.integers(-10, 6000))
-def test_eagle_drop_properties(n, profile, requested):
-    """The EAGLE drop keeps the offset on the grid, never raises it above the offset without
-    the drop, and lowers it to floor(N/u)*u - u exactly when that lies below the floored N -
-    tail. Without a grid it changes nothing."""
-    eagle = msgspec.structs.replace(profile, eagle_drop=True)
-    plain = msgspec.structs.replace(profile, eagle_drop=False)
-    got = choose_replay_offset(n, eagle, requested)
-    base = choose_replay_offset(n, plain, requested)
-    u = profile.replay_grid
-    if u == 0:
-        assert got == base
-        return
-    assert got % u == 0
-    assert 0 <= got <= base
-    checkpoint = n // u * u - u
-    tail = max(min_recompute_tokens(profile), requested)
-    floored = (n - tail) - (n - tail) % u
-    if checkpoint < floored:
-        assert got == max(0, checkpoint)
-    else:
-        assert got == base
-    # Never above vLLM's EAGLE checkpoint (0 when there is none: the offset is then 0).
-    assert got <= max(0, checkpoint)
+        for eagle in (False, True):
+            profile = RecomputeProfile(
+                has_recurrent_state=True, prefill_lookahead=int(eagle), replay_grid=unit, eagle_drop=eagle
+            )
+            for n in range(1, 400):
+                checkpoint = vllm_mamba_checkpoint(n, unit, eagle)
+                expected = checkpoint if checkpoint > 0 else n - 1
+                assert choose_replay_offset(n, profile, max_checkpoint_recompute=10**9) == expected, (n, unit, eagle)
 
 
 @FAST

@@ -1,23 +1,42 @@
-"""The replay offset lands where vLLM's own cache manager checkpoints Mamba state in align mode,
-with and without EAGLE's last-unit drop (vllm#51295, #53945)."""
+"""The core's restatement of vLLM's prompt checkpoint, and the handoff plan built on it, against
+vLLM's own function (``get_mamba_prefill_checkpoint_position``, vllm/v1/kv_cache_interface.py)
+and vLLM's Scheduler: block-sized and finer prefix match units, every speculative method, with
+and without the EAGLE drop (vllm#51295, #53945)."""
 
 import os
 from pathlib import Path
 
 import pytest
 from harness import connector_half, make_scheduler
-from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.kv_cache_interface import MambaSpec, get_mamba_prefill_checkpoint_position
 
-from pd_connector.core.handoff import RecomputeProfile, choose_replay_offset, min_recompute_tokens
+from pd_connector.core.handoff import RecomputeProfile, mamba_checkpoint_position, min_recompute_tokens, plan_handoff
+
+units = st.sampled_from([8, 16, 32, 64, 384, 640])
 
 
-@pytest.mark.parametrize("unit", [8, 16, 32, 384])
-@pytest.mark.parametrize("eagle", [False, True])
-def test_offset_on_vllm_mamba_checkpoint_grid(unit, eagle):
-    profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=int(eagle), replay_grid=unit, eagle_drop=eagle)
-    for n in range(1, 4 * unit + 3):
-        expected = get_mamba_prefill_checkpoint_position(n, unit, eagle)
-        assert choose_replay_offset(n, profile) == max(0, expected), (n, unit, eagle)
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 20_000), units, st.booleans())
+def test_checkpoint_position_is_vllms(n, unit, drop):
+    assert mamba_checkpoint_position(n, unit, drop) == get_mamba_prefill_checkpoint_position(n, unit, drop)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 20_000), units, st.sampled_from([0, 1, 3]), st.booleans(), st.integers(0, 2000))
+def test_plan_lands_on_vllms_checkpoint_only_within_budget(n, unit, lookahead, drop, budget):
+    """The offset is vLLM's checkpoint when that costs D at most ``budget`` extra tokens
+    (``max_checkpoint_recompute``), else N - tail: D recomputes only its minimum by default."""
+    profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=lookahead, replay_grid=unit, eagle_drop=drop)
+    tail = max(1, lookahead - 1)
+    plan = plan_handoff(n, profile, max_checkpoint_recompute=budget)
+    checkpoint = get_mamba_prefill_checkpoint_position(n, unit, drop)
+    assert plan.checkpoint == checkpoint
+    if 0 < checkpoint and n - tail - budget <= checkpoint <= n - tail:
+        assert plan.offset == checkpoint
+    else:
+        assert plan.offset == max(0, n - tail)
 
 
 # --- the drop decision is vLLM's own, per speculative method ------------------------------------
@@ -43,19 +62,27 @@ SPECULATIVE = {
 }
 
 
+def _mamba_manager(scheduler):
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return next(m for m in managers if isinstance(m.kv_cache_spec, MambaSpec))
+
+
+@pytest.mark.parametrize("pmu", [None, 4], ids=["unit-block", "pmu-4"])
 @pytest.mark.parametrize("disable_drop", [False, True], ids=["drop-default", "drop-disabled"])
 @pytest.mark.parametrize("name", list(SPECULATIVE))
-def test_eagle_drop_and_offset_follow_vllms_scheduler(models, name, disable_drop):
-    """P's profile drops the last grid unit exactly when vLLM's Scheduler does
-    (``Scheduler.use_eagle_block_drop``, from ``SpeculativeConfig.use_eagle_block_drop()``), and
-    the offset is vLLM's Mamba checkpoint position for that prompt length."""
+def test_eagle_drop_and_offset_follow_vllms_scheduler(models, name, disable_drop, pmu):
+    """P's profile drops the last unit exactly when vLLM's Scheduler does
+    (``Scheduler.use_eagle_block_drop``, from ``SpeculativeConfig.use_eagle_block_drop()``), its
+    unit is the Mamba manager's ``cache_hit_alignment_tokens`` (a ``prefix_match_unit`` below the
+    block included), the plan's checkpoint is vLLM's for that prompt length, and the offset is
+    N - tail, or that checkpoint when ``max_checkpoint_recompute`` covers the distance."""
     target, spec = SPECULATIVE[name]
     spec = {**spec, "disable_eagle_block_drop": disable_drop}
     if "model" in spec:
         spec["model"] = models[spec["model"]]
     scheduler = make_scheduler(
         models[target], "kv_producer", groups=("attention", "mamba"), prefix_caching=True,
-        mamba_mode="align", speculative=spec,
+        mamba_mode="align", speculative=spec, prefix_match_unit=pmu,
     )  # fmt: skip
     spec_config = scheduler.vllm_config.speculative_config
     assert spec_config.method == spec["method"]
@@ -66,18 +93,18 @@ def test_eagle_drop_and_offset_follow_vllms_scheduler(models, name, disable_drop
     lookahead = {}
     if hasattr(scheduler, "num_hash_lookahead_tokens"):  # vLLM 0.33; 0 with a KV connector
         lookahead["num_hash_lookahead_tokens"] = scheduler.num_hash_lookahead_tokens
-    grid = profile.replay_grid
-    assert grid == 16
-    for n in range(1, 4 * grid + 3):
-        checkpoint = get_mamba_prefill_checkpoint_position(n, grid, scheduler.use_eagle_block_drop, **lookahead)
-        offset = choose_replay_offset(n, profile)
-        if profile.eagle_drop or min_recompute_tokens(profile) == 1:
-            assert offset == checkpoint, (n, offset, checkpoint)
-        else:
-            # Multi-module MTP without the drop: vLLM accepts a drafter KV for the last
-            # lookahead - 1 positions computed without their next tokens; P recomputes them on D
-            # instead, so its offset may sit one grid unit below vLLM's checkpoint.
-            assert offset % grid == 0 and checkpoint - grid <= offset <= checkpoint, (n, offset, checkpoint)
+    manager = _mamba_manager(scheduler)
+    unit = manager.cache_hit_alignment_tokens
+    assert unit == (pmu or 16) == profile.replay_grid
+    assert manager.drop_eagle_checkpoint_block == profile.eagle_drop
+    tail = min_recompute_tokens(profile)
+    for n in range(1, 4 * 16 + 3):
+        checkpoint = get_mamba_prefill_checkpoint_position(n, unit, manager.drop_eagle_checkpoint_block, **lookahead)
+        assert plan_handoff(n, profile).offset == max(0, n - tail), n
+        traded = plan_handoff(n, profile, max_checkpoint_recompute=10**6)
+        assert traded.checkpoint == checkpoint, n
+        # The checkpoint when there is one D can resume from (below N - tail), else N - tail.
+        assert traded.offset == (checkpoint if 0 < checkpoint <= n - tail else max(0, n - tail)), n
 
 
 @pytest.mark.parametrize("disable_drop", [False, True], ids=["drop-default", "drop-disabled"])

@@ -84,14 +84,15 @@ def _vllm_config(model_dir, *, role="kv_consumer", extra=None, dtype="float32", 
     )  # fmt: skip
 
 
-def _kv_cache_config(*, block_size=16, attention_dtype=torch.float32, ssm_dtype=None):
+def _kv_cache_config(*, block_size=16, attention_dtype=torch.float32, ssm_dtype=None, mamba_block_size=None):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     groups = [KVCacheGroupSpec(["attn"], FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=32, dtype=attention_dtype))]
     if ssm_dtype is not None:
         groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
-            block_size=block_size, shapes=((4, 4), (4, 4)), dtypes=(torch.float32, ssm_dtype))))
+            block_size=mamba_block_size or block_size, shapes=((4, 4), (4, 4)),
+            dtypes=(torch.float32, ssm_dtype))))
     return KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -172,6 +173,17 @@ def test_handshake_names_the_setting_p_and_d_differ_in(model_dir, theirs, named)
     diffs = compat_differences(mine, _compat(model_dir, **{"ssm_dtype": torch.float16, **theirs}))
     assert any(d.startswith(named) for d in diffs), diffs
     assert compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16)) == []
+
+
+def test_mamba_block_size_alone_is_no_difference(model_dir):
+    """Prefix caching on one side only changes the Mamba group's block size (the align-mode
+    block on one side, max_model_len on the other); one state slot is copied either way, so
+    such a pair is compatible. The attention block size still is a difference (pages pair by
+    token position), named as such."""
+    mine = _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256)
+    assert compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=64)) == []
+    diffs = compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256, block_size=32))
+    assert "group 0 block_size: local 16, remote 32" in diffs and all(d.startswith("group 0 ") for d in diffs), diffs
 
 
 def test_handshake_names_a_different_model(model_dir, tmp_path):

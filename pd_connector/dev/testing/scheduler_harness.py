@@ -59,6 +59,8 @@ def make_scheduler(
     max_model_len: int = 1024,
     block_size: int = BLOCK,
     mamba_block_size: int | None = None,
+    prefix_match_unit: int | None = None,
+    retention_interval: int | None = 0,
     speculative: dict[str, Any] | None = None,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
@@ -67,7 +69,12 @@ def make_scheduler(
     Mamba groups ``max_model_len`` when prefix caching is off (one block per request,
     ``HybridAttentionMambaModelConfig`` in model_executor/models/config.py); the tests use
     16 everywhere to exercise many blocks per group. ``speculative``: ``--speculative-config``'s
-    fields (vLLM builds the config, drafter model included, as the engine would)."""
+    fields (vLLM builds the config, drafter model included, as the engine would).
+
+    ``mamba_mode="align"`` is set on the cache config as well as on the spec (the Scheduler reads
+    ``cache_config.mamba_cache_mode`` for its block-aligned chunking). ``prefix_match_unit`` and
+    ``retention_interval`` are vLLM's cache-config fields (``retention_interval`` defaults to
+    vLLM's own default, 0; None = dense retention)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -82,6 +89,9 @@ def make_scheduler(
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba_mode,
+        prefix_match_unit=prefix_match_unit,
+        prefix_cache_retention_interval=retention_interval,
     )
     cache_config.kv_cache_layout = "LBHNC"
     kv_transfer_config = KVTransferConfig(
