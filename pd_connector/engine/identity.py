@@ -11,7 +11,15 @@ from typing import Any
 
 from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, prompt_digest
 
-__all__ = ["TOKENS", "fingerprint_form", "model_files_digest", "model_identity", "prompt_fingerprint", "sibling_group"]
+__all__ = [
+    "TOKENS",
+    "fingerprint_form",
+    "model_files_digest",
+    "model_identity",
+    "prompt_fingerprint",
+    "prompt_fingerprint_rehashed",
+    "sibling_group",
+]
 
 
 def _name(path_or_id: Any) -> str:
@@ -158,3 +166,35 @@ def prompt_fingerprint(request: Any, length: int, form: str = TOKENS, block_size
         return None
     chain = hashes[full - 1] if full else b""
     return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)
+
+
+def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: str) -> str | None:
+    """The fingerprint in another engine's blocks form that differs from ours (``mine``) only in
+    the hash block size, e.g. prefix caching on one side only (a hybrid hashes at its Mamba
+    block with it, at the whole context without it): vLLM's block-hash chain rebuilt at that
+    size the way EngineCore's request hasher builds it (``get_request_block_hasher`` in
+    vllm/v1/core/kv_cache_utils.py; this process's hash seed is the one the tag names). None
+    if the algorithm or seed differ too."""
+    theirs_parts, mine_parts = theirs.split(":"), mine.split(":")
+    if len(theirs_parts) != 4 or len(mine_parts) != 4 or theirs_parts[0] != "b":
+        return None
+    _, algo, block, seed_tag = theirs_parts
+    if (algo, seed_tag) != (mine_parts[1], mine_parts[3]) or not block.isdigit() or int(block) <= 0:
+        return None
+    extra = prompt_extra_keys(request, length)
+    tokens = request.prompt_token_ids
+    if extra is None or tokens is None or len(tokens) < length:
+        return None
+    block_size = int(block)
+    full = length // block_size
+    chain: bytes = b""
+    if full:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+        hash_fn, parent, mm_index = get_hash_fn_by_name(algo), None, 0
+        for start in range(0, full * block_size, block_size):
+            keys, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
+            parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], keys)
+        chain = parent
+    return prompt_digest(tokens, length, extra, form=blocks_form(algo, block_size, seed_tag), chain=chain, chain_tokens=full * block_size)

@@ -216,14 +216,16 @@ class SchedulerHalf:
 
     def _fingerprint(self, request: "Request", length: int, theirs: str) -> str | None:
         """This instance's fingerprint of the request's first ``length`` tokens in the form P
-        used (``theirs``): our own block-hash form, or every token folded; None for a form we
-        cannot compute (another hash algorithm, block size or seed)."""
+        used (``theirs``): our own block-hash form, another hash block size of it (rehashed),
+        or every token folded; None for a form we cannot compute (another hash algorithm or
+        seed)."""
         form = form_of(theirs)
         if form == TOKENS:
             return identity.prompt_fingerprint(request, length)
-        if form == self._prefill.fingerprint_form[0]:
-            return identity.prompt_fingerprint(request, length, *self._prefill.fingerprint_form)
-        return None
+        mine = self._prefill.fingerprint_form
+        if form == mine[0]:
+            return identity.prompt_fingerprint(request, length, *mine)
+        return identity.prompt_fingerprint_rehashed(request, length, form, mine[0])
 
     def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
         """vLLM's notice that D's serving layer rejected a request before it reached the engine

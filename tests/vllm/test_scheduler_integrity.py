@@ -109,6 +109,25 @@ def test_blocks_form_covers_every_token_before_the_offset(model_dir, where):
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
 
 
+@pytest.mark.parametrize("p_block, d_block", [(16, 32), (32, 16), (16, 4096)])
+def test_a_fingerprint_at_another_hash_block_size_is_rehashed_not_refused(model_dir, p_block, d_block):
+    """Prefix caching on one side only gives P and D other hash block sizes (a hybrid hashes at
+    its Mamba block with it, at the whole context without it): D could not compute P's form and
+    refused every handoff as prompt_mismatch. D rebuilds vLLM's chain at P's size; a prompt
+    that differs is still refused."""
+    make_scheduler(model_dir, "kv_producer", groups=HYBRID)  # seeds vLLM's NONE_HASH
+    theirs = f"b:sha256:{p_block}:tag"
+    p_req = make_request(PROMPT, None, block_size=p_block)
+    p_digest = identity.prompt_fingerprint(p_req, 39, theirs, p_block)
+    d_req = make_request(PROMPT, None, block_size=d_block)
+    assert identity.prompt_fingerprint_rehashed(d_req, 39, theirs, f"b:sha256:{d_block}:tag") == p_digest
+    other = make_request(PROMPT[:5] + [3] + PROMPT[6:], None, block_size=d_block)
+    assert identity.prompt_fingerprint_rehashed(other, 39, theirs, f"b:sha256:{d_block}:tag") != p_digest
+    # Another algorithm or seed cannot be rebuilt here: refused by name as before.
+    assert identity.prompt_fingerprint_rehashed(d_req, 39, theirs, f"b:sha256_cbor:{d_block}:tag") is None
+    assert identity.prompt_fingerprint_rehashed(d_req, 39, theirs, f"b:sha256:{d_block}:other") is None
+
+
 def test_a_fingerprint_in_the_tokens_form_is_checked_too(model_dir):
     """A P whose block hashes are not comparable across engines (xxhash without PYTHONHASHSEED)
     folds every token; D checks that form whatever its own."""
