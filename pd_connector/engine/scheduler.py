@@ -7,8 +7,9 @@ P (``do_remote_decode``): engine/prefill_half.py chooses and fingerprints R, tru
 prompt, and leases the blocks at finish.
 
 D (``do_remote_prefill``): ``on_new_request`` validates P's offset and the prompt fingerprint
-once (logging and counting a refusal once, releasing P with the reason); ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the
-pairing maps P's blocks onto D's and the worker reads them.
+once (logging and counting a refusal once, releasing P with the reason);
+``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the pairing maps P's
+blocks onto D's and the worker reads them; the keep-alive clock extends P's leases meanwhile.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.pd_connector")
-
 
 
 def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
