@@ -35,7 +35,14 @@ def _name(path_or_id: Any) -> str:
 
 
 # Files whose bytes decide what a model computes from a prompt (weights sampled, see below).
-_CONFIG_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+_CONFIG_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # Bytes read from the start of each weights file's tensor data: enough to tell two trainings
 # (or two random initialisations) of the same shapes apart, cheap at start-up for any size.
@@ -197,4 +204,5 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
             keys, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
             parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], keys)
         chain = parent
-    return prompt_digest(tokens, length, extra, form=blocks_form(algo, block_size, seed_tag), chain=chain, chain_tokens=full * block_size)
+    form = blocks_form(algo, block_size, seed_tag)
+    return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)

@@ -129,7 +129,8 @@ class PrefillHalf:
             del request._all_token_ids[offset:]
             request.num_prompt_tokens = offset
             # In this engine's form; every token folded if its block hashes are missing.
-            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form) or identity.prompt_fingerprint(request, offset)
+            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form)
+            digest = digest or identity.prompt_fingerprint(request, offset)
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
         self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
         # P's sampled token is thrown away by the router; stop after the prefill.
