@@ -187,8 +187,9 @@ class LeaseTable:
         if lease is None:
             if request_id not in self._expired and request_id not in self._ended:
                 early = self._early.get(request_id) or _Early(now, 1, frozenset(), False)
+                # Remembered from the latest completion: a repeat is fresh evidence.
                 self._early[request_id] = _Early(
-                    early.seen,
+                    now,
                     max(early.readers, readers),
                     early.done | {reader} if reader else early.done,
                     early.whole or not reader,

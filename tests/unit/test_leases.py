@@ -570,3 +570,15 @@ def test_a_lease_ends_exactly_when_its_last_distinct_reader_completes(readers, o
         t.grant("r", deadline=1e9)
     assert (t.take_finished() == {"r"}) == (finished_at is not None)
     assert t.holds("r") == (finished_at is None)
+
+
+def test_a_repeated_early_release_is_remembered_from_the_latest_one():
+    """Found by the state machine: D released a handoff twice before P's grant, 301 s apart; the
+    memory of early completions counted from the first release and forgot it, so the late
+    grant leased blocks nobody would read until expiry."""
+    table = LeaseTable()
+    table.complete("r0", 0.0)
+    table.complete("r0", 301.0)
+    table.expire(301.0)
+    table.grant("r0", 301.0, 0, [])
+    assert not table.holds("r0") and table.take_finished() == {"r0"}
