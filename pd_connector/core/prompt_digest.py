@@ -57,6 +57,14 @@ def blocks_form(algo: str, block_size: int, seed_tag: str) -> str:
     return f"b:{algo}:{block_size}:{seed_tag}"
 
 
+def parse_blocks_form(form: str) -> tuple[str, int, str] | None:
+    """(algorithm, hash block size, seed tag) of a blocks form, None for any other form."""
+    parts = form.split(":")
+    if len(parts) != 4 or parts[0] != "b" or not parts[2].isdigit() or int(parts[2]) <= 0:
+        return None
+    return parts[1], int(parts[2]), parts[3]
+
+
 def form_of(digest: str) -> str:
     """The form a fingerprint was computed in ("" if it is not one of ours)."""
     version, sep, rest = digest.partition(":")

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, prompt_digest
+from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, parse_blocks_form, prompt_digest
 
 __all__ = [
     "TOKENS",
@@ -182,17 +182,16 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
     size the way EngineCore's request hasher builds it (``get_request_block_hasher`` in
     vllm/v1/core/kv_cache_utils.py; this process's hash seed is the one the tag names). None
     if the algorithm or seed differ too."""
-    theirs_parts, mine_parts = theirs.split(":"), mine.split(":")
-    if len(theirs_parts) != 4 or len(mine_parts) != 4 or theirs_parts[0] != "b":
+    theirs_form, mine_form = parse_blocks_form(theirs), parse_blocks_form(mine)
+    if theirs_form is None or mine_form is None:
         return None
-    _, algo, block, seed_tag = theirs_parts
-    if (algo, seed_tag) != (mine_parts[1], mine_parts[3]) or not block.isdigit() or int(block) <= 0:
+    algo, block_size, seed_tag = theirs_form
+    if (algo, seed_tag) != (mine_form[0], mine_form[2]):
         return None
     extra = prompt_extra_keys(request, length)
     tokens = request.prompt_token_ids
     if extra is None or tokens is None or len(tokens) < length:
         return None
-    block_size = int(block)
     full = length // block_size
     chain: bytes = b""
     if full:
@@ -204,5 +203,4 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
             keys, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
             parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], keys)
         chain = parent
-    form = blocks_form(algo, block_size, seed_tag)
-    return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)
+    return prompt_digest(tokens, length, extra, form=theirs, chain=chain, chain_tokens=full * block_size)

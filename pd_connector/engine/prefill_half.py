@@ -84,29 +84,14 @@ class PrefillHalf:
         under preemption); fingerprint the R tokens."""
         if request.request_id in self.offsets:
             return  # already truncated (preempted and re-added)
-        raw = params.get(KEY_MIN_RECOMPUTE)
-        requested = handoff.requested_min_recompute(raw)
-        if requested is None:
-            logger.warning(
-                "pd_connector: request %s: ignoring %s=%r (expected a non-negative integer)",
-                request.request_id,
-                KEY_MIN_RECOMPUTE,
-                raw,
-            )
-            self.recorder.count("bad_min_recompute")
-            requested = 0
-        raw = params.get(KEY_DECODE_REQUESTS)
-        decode_requests = handoff.requested_decode_requests(raw)
-        if decode_requests is None:
-            logger.warning(
-                "pd_connector: request %s: ignoring %s=%r (expected an integer from 1 to %d)",
-                request.request_id,
-                KEY_DECODE_REQUESTS,
-                raw,
-                handoff.MAX_DECODE_REQUESTS,
-            )
-            self.recorder.count("bad_decode_requests")
-            decode_requests = 1
+        requested = self._router_hint(
+            request, params, KEY_MIN_RECOMPUTE, handoff.requested_min_recompute, 0, "a non-negative integer",
+            "bad_min_recompute",
+        )
+        decode_requests = self._router_hint(
+            request, params, KEY_DECODE_REQUESTS, handoff.requested_decode_requests, 1,
+            f"an integer from 1 to {handoff.MAX_DECODE_REQUESTS}", "bad_decode_requests",
+        )
         offset = 0
         # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
         # fingerprint D could check (prompt_extra_keys): nothing to hand over.
@@ -135,6 +120,17 @@ class PrefillHalf:
         self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
         # P's sampled token is thrown away by the router; stop after the prefill.
         request.max_tokens = 1
+
+    def _router_hint(self, request, params, key, parse, default: int, expected: str, event: str) -> int:
+        """A router's optional hint, parsed by the core; a malformed one is logged, counted
+        and replaced by ``default``."""
+        raw = params.get(key)
+        value = parse(raw)
+        if value is None:
+            logger.warning("pd_connector: request %s: ignoring %s=%r (expected %s)", request.request_id, key, raw, expected)
+            self.recorder.count(event)
+            return default
+        return value
 
     def finish(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """At request_finished: lease the blocks carrying [0, R) and the state at R (True: vLLM

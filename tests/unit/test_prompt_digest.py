@@ -71,3 +71,11 @@ def test_form_of_reads_only_our_fingerprints():
     assert form_of("1:b:sha256_cbor:32:0a0b0c0d:" + "0" * 32) == "b:sha256_cbor:32:0a0b0c0d"
     for other in ("", "abc", "2:t:00", "1:"):
         assert form_of(other) == ""
+
+
+def test_blocks_form_parses_back_and_other_forms_do_not():
+    from pd_connector.core.prompt_digest import TOKENS, blocks_form, parse_blocks_form
+
+    assert parse_blocks_form(blocks_form("sha256", 384, "2bdd5f16")) == ("sha256", 384, "2bdd5f16")
+    assert parse_blocks_form(TOKENS) is None
+    assert parse_blocks_form("b:sha256:0:tag") is None and parse_blocks_form("b:sha256:x:tag") is None

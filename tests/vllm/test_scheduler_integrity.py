@@ -290,6 +290,23 @@ def test_a_handoff_is_kept_alive_from_acceptance_until_the_worker_reports_the_lo
     assert out.kv_connector_metadata.to_extend == []
 
 
+def test_a_tiny_lease_is_extended_no_more_often_than_the_floor(model_dir):
+    """However short a lease P announces, D's clock asks at most every
+    leases.MIN_EXTEND_INTERVAL_S (the receiver's clock held this floor before there was one
+    clock)."""
+    from pd_connector.core.leases import MIN_EXTEND_INTERVAL_S
+
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
+    d.add_request(make_request(PROMPT, {**params, "pd_lease_seconds": 0.003}))
+    run_step(d)  # admitted: the load starts
+    started, sent = time.monotonic(), 0
+    while time.monotonic() - started < 0.5:
+        out, _ = run_step(d)
+        sent += len(out.kv_connector_metadata.to_extend)
+    assert 1 <= sent <= 0.5 / MIN_EXTEND_INTERVAL_S + 1
+
+
 def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_window():
     """DeepSeek-V4.1's bounded-replay sliding window: a P/D load restores it, so vLLM backs off
     one token (_prefill_backoff); the profile took prefix_replay_tokens (the window) and P
