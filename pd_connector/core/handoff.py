@@ -140,6 +140,23 @@ def choose_replay_offset(
     ).offset
 
 
+def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
+    """The prompt checkpoint P must ask vLLM to keep for its own next turn, or 0.
+
+    P computes a prompt truncated to the offset, and under vLLM's default retention interval 0
+    the Mamba manager keeps only the truncated prompt's checkpoint
+    (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
+    ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
+    position where the conversation's next turn resumes. When the two differ and P computed
+    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill_half.py)."""
+    checkpoint, unit = plan.checkpoint, profile.replay_grid
+    if unit <= 0 or not 0 < checkpoint <= plan.offset:
+        return 0
+    if checkpoint == mamba_checkpoint_position(plan.offset, unit, profile.eagle_drop):
+        return 0  # vLLM keeps it anyway
+    return checkpoint
+
+
 def offered_offset(chosen: int, num_computed_tokens: int) -> int:
     """What P may hand over at finish: the chosen offset only if P computed exactly that many
     tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
@@ -294,6 +311,7 @@ __all__ = [
     "HandoffPlan",
     "RecomputeProfile",
     "Refused",
+    "checkpoint_to_keep",
     "choose_replay_offset",
     "decide_on_decode",
     "mamba_checkpoint_position",

@@ -37,6 +37,8 @@ class _Prefill(NamedTuple):
     offset: int
     digest: str = ""
     decode_requests: int = 1
+    # The whole prompt's checkpoint, kept past the truncation (handoff.checkpoint_to_keep).
+    keep: int = 0
 
 
 _NOTHING = _Prefill(0)
@@ -92,7 +94,7 @@ class PrefillHalf:
             request, params, KEY_DECODE_REQUESTS, handoff.requested_decode_requests, 1,
             f"an integer from 1 to {handoff.MAX_DECODE_REQUESTS}", "bad_decode_requests",
         )
-        offset = 0
+        plan = handoff.HandoffPlan(0)
         # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
         # fingerprint D could check (prompt_extra_keys): nothing to hand over.
         if (
@@ -100,13 +102,14 @@ class PrefillHalf:
             and getattr(request, "prompt_embeds", None) is None
             and not request.get_skip_reading_prefix_cache()
         ):
-            offset = handoff.choose_replay_offset(
+            plan = handoff.plan_handoff(
                 request.num_prompt_tokens,
                 self.profile,
                 requested,
                 self.settings.min_recompute_tokens,
                 self.settings.max_checkpoint_recompute,
             )
+        offset = plan.offset
         digest = ""
         if offset > 0:
             drop = request.num_prompt_tokens - offset
@@ -117,9 +120,24 @@ class PrefillHalf:
             digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form)
             digest = digest or identity.prompt_fingerprint(request, offset)
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests)
+        keep = handoff.checkpoint_to_keep(plan, self.profile) if offset else 0
+        self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests, keep)
         # P's sampled token is thrown away by the router; stop after the prefill.
         request.max_tokens = 1
+
+    def keep_prompt_checkpoint(self, request: "Request") -> None:
+        """Right after vLLM's local prefix lookup (get_num_new_matched_tokens): pin the whole
+        prompt's checkpoint as the request's shared-prefix boundary, which the Mamba manager
+        keeps besides the truncated prompt's own (``cache_blocks``, reachable boundaries). A
+        junction vLLM found itself (a prefix shared with other cached requests, such as a
+        system prompt) is left alone: one pin per request, and that one serves every sibling."""
+        chosen = self.offsets.get(request.request_id)
+        if chosen is None or not chosen.keep:
+            return
+        if request.shared_prefix_boundary in (0, chosen.keep):
+            request.shared_prefix_boundary = chosen.keep
+        else:
+            self.recorder.count("p_checkpoint_not_kept")
 
     def _router_hint(self, request, params, key, parse, default: int, expected: str, event: str) -> int:
         """A router's optional hint, parsed by the core; a malformed one is logged, counted

@@ -246,6 +246,7 @@ class SchedulerHalf:
             self._queue_release(target, "rejected before reaching the engine")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        self._prefill.keep_prompt_checkpoint(request)
         decision = self._decisions.get(request.request_id)
         if decision is None or decision.offset <= num_computed_tokens:
             return 0, False

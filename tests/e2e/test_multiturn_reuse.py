@@ -157,11 +157,6 @@ def test_d_computes_its_tail_and_keeps_the_checkpoint_it_lands_on(turns):
             assert row["hit_d"] >= row["hit_aggregated"], row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#17 open: on vLLM CPU P's turn-2 hit was 0 at N = k*B + 1 (aggregated: k*B) while the "
-    "in-process Scheduler (tests/vllm/test_prefix_cache_turns.py) keeps P's block-aligned tip",
-)
 def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
     """Turn 2 through P hits at least the aggregated conversation's hit, unless that hit needs
     state past the N - 1 tokens P computed; and at least vLLM's prompt checkpoint."""
@@ -172,12 +167,6 @@ def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
         assert row["hit_p"] >= row["checkpoint"], row
 
 
-@pytest.mark.skip(
-    reason="#17 open: the first handoffs between this new kv_both pair stall on the side channel "
-    "(a claim unanswered for 20 s; the reverse direction's READ never completed), which the other "
-    "e2e pairs meet only intermittently; the fingerprint rehash it needs is pinned in process "
-    "(tests/vllm/test_scheduler_integrity.py::test_a_fingerprint_at_another_hash_block_size_is_rehashed_not_refused)"
-)
 @pytest.mark.parametrize("direction", ["cached_p_to_uncached_d", "uncached_p_to_cached_d"])
 def test_prefix_caching_on_one_side_only_hands_over(pair, no_cache, direction):
     """The Mamba block size differs (align-mode block vs max_model_len): not a difference the

@@ -16,6 +16,7 @@ from pd_connector.core.handoff import (
     HandoffPlan,
     RecomputeProfile,
     Refused,
+    checkpoint_to_keep,
     choose_replay_offset,
     decide_on_decode,
     mamba_checkpoint_position,
@@ -172,6 +173,29 @@ def test_configured_floor_and_checkpoint_trade_combine(n, profile, requested, co
     got = plan_handoff(n, profile, requested, configured, max_extra)
     assert got == plan_handoff(n, profile, max(requested, configured), 0, max_extra)
     assert n - got.offset >= max(min_recompute_tokens(profile), requested, configured) or got.offset == 0
+
+
+@MANY
+@given(prompt_lengths, profiles, st.integers(0, 200), st.integers(0, 300))
+def test_p_keeps_the_whole_prompts_checkpoint_when_its_truncation_would_lose_it(n, profile, requested, max_extra):
+    """P asks vLLM to keep the whole prompt's checkpoint exactly when it computed it and vLLM's
+    own checkpoint of the truncated prompt (what retention interval 0 keeps) is another."""
+    plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
+    keep = checkpoint_to_keep(plan, profile)
+    unit = profile.replay_grid
+    truncated = vllm_mamba_checkpoint(plan.offset, unit, profile.eagle_drop) if unit else 0
+    if unit and 0 < plan.checkpoint <= plan.offset and plan.checkpoint != truncated:
+        assert keep == plan.checkpoint
+    else:
+        assert keep == 0
+
+
+def test_p_keeps_k_blocks_at_n_equal_k_blocks_plus_one():
+    """The e2e failure it pins: N = kB + 1, P computes kB, vLLM keeps (k-1)B; P must keep kB."""
+    profile = RecomputeProfile(has_recurrent_state=True, replay_grid=384)
+    for k in (1, 2, 3):
+        assert checkpoint_to_keep(plan_handoff(k * 384 + 1, profile), profile) == k * 384
+        assert checkpoint_to_keep(plan_handoff(k * 384 + 2, profile), profile) == 0  # vLLM keeps it
 
 
 @pytest.mark.parametrize("n", [0, -1, -100])

@@ -9,7 +9,8 @@ and with EAGLE (multi-module MTP here is not covered yet: its cached prefix stop
 short of the computed one, vLLM's re-prefillable tail, which these expectations do not model):
 - D recomputes only its minimum tail in every cache mode.
 - P keeps the whole prompt's checkpoint for its own next turn, though its prompt was truncated
-  (vLLM's default retention interval 0 derives kept states from the truncated prompt): P's
+  (vLLM's default retention interval 0 derives kept states from the truncated prompt, so P pins
+  the whole prompt's as the request's shared-prefix boundary, handoff.checkpoint_to_keep): P's
   turn-2 hit is at least the aggregated instance's prompt-only hit, except where that hit needs
   KV or state past the tokens P computed (N - tail; the state after the whole prompt, or, with
   the EAGLE drop, the attention block above the checkpoint), and except a checkpoint that is
@@ -156,6 +157,9 @@ class Conversation:
 def test_d_recomputes_its_minimum_and_p_keeps_the_checkpoint(models, config):
     conv = Conversation(models, config)
     assert conv.p.cache_config.mamba_cache_mode == "align" and conv.p.need_mamba_block_aligned_split
+    # The retention interval the managers act on (the harness once left it dense, hiding P's
+    # lost checkpoint at N = kB + 1 that vLLM's default 0 shows end to end).
+    assert conv.p.kv_cache_manager.coordinator.retention_interval == CONFIGS[config][2]
     tail = min_recompute_tokens(conv.profile)
     assert conv.unit == (CONFIGS[config][1] or B)
     assert conv.drop == (CONFIGS[config][0] is not None)

@@ -133,7 +133,14 @@ def make_scheduler(
                 num_speculative_blocks=num_speculative_blocks,
             )
         specs.append(KVCacheGroupSpec([f"layer{i}"], spec))
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
+    # As get_kv_cache_config_from_groups does (vllm/v1/core/kv_cache_utils.py): the retention
+    # interval lives on the KVCacheConfig too, where it defaults to None (dense) and not 0.
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=specs,
+        prefix_cache_retention_interval=vllm_config.cache_config.prefix_cache_retention_interval,
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     # As EngineCore does (vllm/v1/engine/core.py): the scheduler's block size is the LCM of the
     # groups' and requests are hashed at hash_block_size (make_request's block_size).
