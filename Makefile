@@ -26,7 +26,7 @@ demo: $(STAMP)
 # Everything on vLLM CPU 0.32 (pure core, in-process vLLM Scheduler, real NIXL, end-to-end vLLM
 # CPU servers), then the in-process Scheduler suite on vLLM 0.33.
 test: $(STAMP) $(STAMP033)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
 	$(MAKE) --no-print-directory test-vllm033
 
 # -rs: a test that cannot apply on 0.33 (NIXL, servers) says why it was skipped. vLLM's cache of

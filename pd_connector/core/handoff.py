@@ -148,9 +148,12 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
     ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
     position where the conversation's next turn resumes. When the two differ and P computed
-    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill_half.py)."""
+    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill_half.py). Never
+    with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
+    computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
     checkpoint, unit = plan.checkpoint, profile.replay_grid
-    if unit <= 0 or not 0 < checkpoint <= plan.offset:
+    needed = checkpoint + (unit if profile.eagle_drop else 0)
+    if unit <= 0 or checkpoint <= 0 or needed > plan.offset:
         return 0
     if checkpoint == mamba_checkpoint_position(plan.offset, unit, profile.eagle_drop):
         return 0  # vLLM keeps it anyway

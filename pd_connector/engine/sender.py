@@ -64,6 +64,7 @@ class Sender:
         # Written under _lock: the side-channel thread counts too.
         self.recorder = Recorder()
         self._rejected_seen: dict[str, int] = {}
+        self._stalls_seen = 0
         port = settings.side_channel_port + welcome.tp_rank
         self.server = side_channel.SideChannelServer(settings.side_channel_host, port, self.serve, settings.secret)
         logger.info(
@@ -118,6 +119,10 @@ class Sender:
                 if n > seen:
                     self.recorder.count(f"side_channel_rejected:{kind}", n - seen)
                     self._rejected_seen[kind] = n
+            stalls = self.server.stalls
+            if stalls > self._stalls_seen:
+                self.recorder.count("side_channel_stalled", stalls - self._stalls_seen)
+                self._stalls_seen = stalls
             into.interval.aggregate(self.recorder.interval)
             self.recorder.interval.reset()
 

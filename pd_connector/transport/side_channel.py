@@ -54,6 +54,10 @@ class Deferred:
 Handler = Callable[[Message], "Message | Deferred"]
 # Parked requests are also re-polled this often, in case a kick() was missed.
 _PARKED_POLL_S = 0.05
+# A serving thread that comes back from its poll this much later than asked, or spends this
+# long on one answer, is logged: a peer's call waited that long (tests/e2e saw D's claims go
+# unanswered for 20 s on a loaded host; the log says on which side the time went).
+STALL_WARN_S = 5.0
 # More parked requests than this (a flood, or a peer asking about ids P never leased) get their
 # timeout answer at once: parking is an optimisation, never a place to pile up memory.
 MAX_PARKED = 4096
@@ -122,6 +126,8 @@ class SideChannelServer:
         self.address = (host, port)
         # Refused messages by ProtocolError kind (malformed, oversized, unauthenticated, ...).
         self.rejected: dict[str, int] = {}
+        # Times the serving thread was held up past STALL_WARN_S (P counts side_channel_stalled).
+        self.stalls = 0
         # kick(): a byte on a pipe the serving thread polls next to the socket (thread-safe,
         # unlike a zmq socket shared with another thread).
         self._kick_r, self._kick_w = os.pipe()
@@ -155,7 +161,10 @@ class SideChannelServer:
             if self._parked:
                 until = min(d.deadline for _, d in self._parked) - time.monotonic()
                 timeout_ms = max(0, min(int(until * 1000) + 1, int(_PARKED_POLL_S * 1000)))
+            asked = time.monotonic()
             events = dict(poller.poll(timeout_ms))
+            late = time.monotonic() - asked - timeout_ms / 1000
+            self._note_stall(late, "came back", "late from its poll (the GIL or the CPU was held elsewhere in this process)")
             if self._kick_r in events:
                 try:
                     while os.read(self._kick_r, 4096):
@@ -163,9 +172,19 @@ class SideChannelServer:
                 except (BlockingIOError, OSError):
                     pass
             if self._sock in events:
+                started = time.monotonic()
                 self._receive()
+                self._note_stall(time.monotonic() - started, "spent", "answering one message")
             if self._parked:
                 self._resolve_parked()
+
+    def _note_stall(self, seconds: float, did: str, where: str) -> None:
+        if seconds >= STALL_WARN_S:
+            logger.warning(
+                "pd_connector: the side-channel thread on %s:%d %s %.1f s %s; peers' calls waited that long",
+                *self.address, did, seconds, where,
+            )
+            self.stalls += 1  # after the line: a reader that sees the count finds the line too
 
     def _receive(self) -> None:
         try:

@@ -6,6 +6,7 @@ Misbehaving peers are played by raw pyzmq REQ/DEALER sockets sending hand-made f
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 
@@ -218,7 +219,7 @@ def test_oversized_frame_does_not_stop_the_server(server, handler, raw):
 
 def test_oversized_frame_gets_reject_saying_it_is_too_big(server, raw):
     port = server.address[1]
-    reason = reject_reason(raw(port, b"\x00" * (MAX_MESSAGE_BYTES + 1), timeout_s=0.5))
+    reason = reject_reason(raw(port, b"\x00" * (MAX_MESSAGE_BYTES + 1), timeout_s=5.0))
     assert "exceeds" in reason and str(MAX_MESSAGE_BYTES) in reason
 
 
@@ -254,6 +255,52 @@ def test_handler_reply_that_cannot_be_encoded_does_not_kill_the_listener(free_po
         with contextlib.suppress(SideChannelError):
             side_channel.call(HOST, free_port, Release(request_ids=["x"]), 0.5)
         assert side_channel.call(HOST, free_port, Release(request_ids=["y"]), 0.5) == Ack()
+    finally:
+        srv.close()
+
+
+def test_a_slow_answer_is_logged_and_counted_as_a_stall(free_port, monkeypatch, caplog):
+    """D's claims went unanswered for 20 s on a loaded host with nothing in P's log; P's serving
+    thread now says when it was held up, and how (here: one slow answer)."""
+    monkeypatch.setattr(side_channel, "STALL_WARN_S", 0.2)
+
+    def slow(message):
+        time.sleep(0.3)
+        return Ack()
+
+    srv = SideChannelServer(HOST, free_port, slow)
+    try:
+        with caplog.at_level("WARNING", logger="vllm.pd_connector"):
+            assert side_channel.call(HOST, free_port, Release(request_ids=["x"]), 5.0) == Ack()
+            deadline = time.monotonic() + 2  # noted after the reply went out
+            while srv.stalls == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert srv.stalls == 1
+        assert "spent" in caplog.text and "answering one message" in caplog.text
+    finally:
+        srv.close()
+
+
+def test_a_thread_held_past_its_poll_is_logged_as_a_stall(free_port, monkeypatch, caplog):
+    """The serving thread comes back from a 200 ms idle poll while this thread holds the GIL
+    in a pure-Python loop for a second: logged as late, not as a slow answer."""
+    monkeypatch.setattr(side_channel, "STALL_WARN_S", 0.3)
+    old = sys.getswitchinterval()
+    srv = SideChannelServer(HOST, free_port, PrefillHandler())
+    try:
+        with caplog.at_level("WARNING", logger="vllm.pd_connector"):
+            sys.setswitchinterval(5.0)  # this thread keeps the GIL for its whole loop
+            try:
+                end = time.monotonic() + 1.2
+                while time.monotonic() < end:
+                    pass
+            finally:
+                sys.setswitchinterval(old)
+            deadline = time.monotonic() + 2
+            while srv.stalls == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert srv.stalls >= 1
+        assert "came back" in caplog.text
     finally:
         srv.close()
 

@@ -178,14 +178,18 @@ def test_configured_floor_and_checkpoint_trade_combine(n, profile, requested, co
 @MANY
 @given(prompt_lengths, profiles, st.integers(0, 200), st.integers(0, 300))
 def test_p_keeps_the_whole_prompts_checkpoint_when_its_truncation_would_lose_it(n, profile, requested, max_extra):
-    """P asks vLLM to keep the whole prompt's checkpoint exactly when it computed it and vLLM's
-    own checkpoint of the truncated prompt (what retention interval 0 keeps) is another."""
+    """P asks vLLM to keep the whole prompt's checkpoint exactly when it computed what a hit there
+    needs (with the EAGLE drop, the block above too) and vLLM's own checkpoint of the truncated
+    prompt (what retention interval 0 keeps) is another. With the drop it never asks: the two
+    differ only when a grid point lies in (R, N], and then the block above C ends past R."""
     plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
     keep = checkpoint_to_keep(plan, profile)
     unit = profile.replay_grid
     truncated = vllm_mamba_checkpoint(plan.offset, unit, profile.eagle_drop) if unit else 0
-    if unit and 0 < plan.checkpoint <= plan.offset and plan.checkpoint != truncated:
-        assert keep == plan.checkpoint
+    needed = plan.checkpoint + (unit if profile.eagle_drop else 0)
+    if unit and plan.checkpoint > 0 and needed <= plan.offset and plan.checkpoint != truncated:
+        assert keep == plan.checkpoint == plan.offset  # the end of P's prefill: no extra chunk
+        assert not profile.eagle_drop
     else:
         assert keep == 0
 

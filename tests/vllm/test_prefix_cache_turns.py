@@ -4,16 +4,17 @@ Each case is one conversation: turn 1 (N prompt tokens, a few decoded), then a t
 extends it. Served three ways: by one aggregated instance; by P then D (P/D); and turn 2 again
 through P. Expected positions come from vLLM's own ``get_mamba_prefill_checkpoint_position``.
 
-What is checked (docs/architecture.md, "Prefix caching across the handoff"), without speculation
-and with EAGLE (multi-module MTP here is not covered yet: its cached prefix stops K - 1 tokens
-short of the computed one, vLLM's re-prefillable tail, which these expectations do not model):
+What is checked (docs/architecture.md, "Prefix caching across the handoff"), without speculation,
+with EAGLE and with MTP K = 2 (MTP with a prefix match unit below the block is left out: this
+harness samples no drafts, and its aggregated request never finishes there):
 - D recomputes only its minimum tail in every cache mode.
 - P keeps the whole prompt's checkpoint for its own next turn, though its prompt was truncated
   (vLLM's default retention interval 0 derives kept states from the truncated prompt, so P pins
   the whole prompt's as the request's shared-prefix boundary, handoff.checkpoint_to_keep): P's
   turn-2 hit is at least the aggregated instance's prompt-only hit, except where that hit needs
   KV or state past the tokens P computed (N - tail; the state after the whole prompt, or, with
-  the EAGLE drop, the attention block above the checkpoint), and except a checkpoint that is
+  the EAGLE drop, the attention block above the checkpoint, plus multi-module MTP's
+  re-prefillable tail, which vLLM never caches), and except a checkpoint that is
   P's own tip inside a Mamba block (a prefix match unit below the block): vLLM registers P's
   sub-block state only at the truncated prompt's checkpoint, one unit lower.
 - D keeps the prompt checkpoint only when the handoff lands on it: by default when
@@ -43,6 +44,7 @@ CONFIGS = {
     "pmu16": (None, 16, 0),
     "pmu16-dense": (None, 16, None),
     "eagle-pmu16": ("eagle", 16, 0),
+    "mtp2": ("mtp2", None, 0),
 }
 
 
@@ -168,7 +170,11 @@ def test_d_recomputes_its_minimum_and_p_keeps_the_checkpoint(models, config):
         ctx = (config, n, got)
         assert got["offset"] == n - tail and got["local"] == tail, ctx
         checkpoint = get_mamba_prefill_checkpoint_position(n, conv.unit, conv.drop)
-        reach = got["hit_prompt_only"] + (conv.unit if conv.drop else 0)
+        # The tokens an aggregated hit needs computed: with the drop, the block above the
+        # checkpoint; with multi-module MTP, vLLM's re-prefillable tail on top (its last
+        # num_reprefillable_tokens computed tokens are never cached: get_num_cacheable_tokens).
+        reprefillable = conv.p.kv_cache_manager.coordinator.num_reprefillable_tokens
+        reach = got["hit_prompt_only"] + (conv.unit if conv.drop else 0) + reprefillable
         if got["hit_prompt_only"] == n - tail and (n - tail) % B:
             # The checkpoint is P's own tip, inside a Mamba block: vLLM registers a sub-block
             # state only at the truncated prompt's checkpoint (MambaManager.
