@@ -14,7 +14,7 @@ ENV = "PD_CONNECTOR_FAULT_INJECTION"
 # resume this many tokens away from P's offset while still claiming P's real lease (the silent
 # desync of vLLM's implicit rule);
 RESUME_SHIFT = "_pd_fault_resume_shift"
-# flip the first byte of each recurrent-state page D received, as a corrupted transfer would;
+# flip every byte of each recurrent-state page D received, as a corrupted transfer would;
 CORRUPT_STATE = "_pd_fault_corrupt_state"
 # skip D's prompt fingerprint check and claim with P's fingerprint (a handoff of another
 # prompt then loads, as it did before the check existed).
@@ -42,14 +42,15 @@ StateCorrupter = Callable[[list[list[int]]], None]
 
 
 def state_corrupter(pages: Callable[[list[list[int]]], Iterable[Any]]) -> StateCorrupter | None:
-    """D's worker hook for ``CORRUPT_STATE`` (None unless enabled): flip the first byte of
-    each recurrent-state page of the blocks D received (``pages(blocks)``: uint8 views,
-    ``digest.PageDigester.pages``), the way a bad transfer would."""
+    """D's worker hook for ``CORRUPT_STATE`` (None unless enabled): flip every byte of each
+    recurrent-state page of the blocks D received (``pages(blocks)``: uint8 views,
+    ``digest.PageDigester.pages``). Whole pages: the prefix-caching negative control needs the
+    tiny model's greedy output to change, which 64 flipped bytes per page did not do."""
     if not Faults().enabled:
         return None
 
     def corrupt(blocks: list[list[int]]) -> None:
         for page in pages(blocks):
-            page[0] ^= 0xFF
+            page.bitwise_xor_(0xFF)
 
     return corrupt

@@ -71,9 +71,11 @@ class WorkerHalf:
         )
         self.transport.register(allocations, regions)
         digest = corrupt = None
-        if self.settings.verify_state_digest and self.mamba_groups:
+        if self.mamba_groups:
             digester = PageDigester(kv_caches, regions)
-            digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
+            if self.settings.verify_state_digest:
+                digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
+            # With the digest off too: the negative controls corrupt what D keeps and serves.
             corrupt = state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
         logger.info(
             "pd_connector worker: TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",

@@ -32,6 +32,7 @@ from pd_connector.dev.testing.oracle import complete
 from pd_connector.dev.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
 from pd_connector.dev.testing.spec_matrix import check_bf16 as check
 from pd_connector.dev.testing.tiny_models import build_model
+from pd_connector.engine import faults
 
 pytestmark = pytest.mark.e2e
 
@@ -48,8 +49,10 @@ def pair(models_root, artifacts):
         extra_config=SPEC_EXTRA_CONFIG,
     )
     a = make_instances(spec, ["off"])
-    # B on the other core: two instances pinned to one core starve each other (cpu_binds).
-    b = make_instances(dataclasses.replace(spec, log_dir=artifacts / "multiturn-d"), ["off"], first_core=1)
+    # B on the other core: two instances pinned to one core starve each other (cpu_binds). B
+    # takes the fault switch for the negative control (inert unless a request asks).
+    b_spec = dataclasses.replace(spec, log_dir=artifacts / "multiturn-d", env={faults.ENV: "1"})
+    b = make_instances(b_spec, ["off"], first_core=1)
     with running(a, b):
         yield a["off"], b["off"]
 
@@ -94,6 +97,32 @@ def test_turn_two_hits_the_decode_prefix_cache_after_a_handoff(pair, k):
     hits = after[0] - before[0]
     assert hits >= k * block, f"turn 2 hit {hits} tokens on D, expected >= {k * block} (queries {after[1] - before[1]})"
     assert check(_salted(a, turn2, "ref"), out2).ok
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["as_received", "negative_control_corrupted_state"])
+def test_turn_two_served_by_d_resumes_on_the_checkpoint_it_received(pair, corrupt):
+    """D serves turn 2 itself from the recurrent state it received at the checkpoint k*B (its
+    prefix-cache hit), and answers as aggregated serving does. The turn-2 handoff above cannot
+    show that (P's state at its own offset replaces D's cached one). Negative control: the
+    state corrupted on arrival (the fault switch flips every byte of each state page), so
+    D's prefix cache holds a wrong state at k*B: turn 2's output check must fail. (Turn 1
+    resumed one token early on P's state is no such control: D's cache still holds P's state
+    at k*B, and turn 2 matched.)"""
+    a, b = pair
+    block = int(b.server.cache_config()["block_size"])
+    turn1 = random_prompt(block + 1, seed=60 + int(corrupt))
+    params = a.prefill(turn1)
+    assert params["replay_offset"] == block, params
+    out1 = b.decode(turn1, {**params, faults.CORRUPT_STATE: True} if corrupt else params, MAX_TOKENS)
+    turn2 = turn1 + out1.token_ids + random_prompt(block // 2 + 7, seed=70 + int(corrupt))
+    time.sleep(1.0)  # turn 1's prefix-cache counters arrive with its last step's stats
+    before = _hits(b)[0]
+    out2 = b.reference(turn2, MAX_TOKENS)
+    time.sleep(1.0)
+    hits = _hits(b)[0] - before
+    assert hits >= block, f"D's turn 2 hit {hits} tokens, expected its checkpoint {block}"
+    same = check(_salted(a, turn2, f"d-turn2-{int(corrupt)}"), out2).ok
+    assert same != corrupt, "D's turn 2 on a corrupted checkpoint matched aggregated serving" if corrupt else out2
 
 
 def _salted(inst, prompt, salt, max_tokens=MAX_TOKENS):
