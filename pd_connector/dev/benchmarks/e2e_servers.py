@@ -27,7 +27,7 @@ class Deployment:
     """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
 
     def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
-                 placement: list[tuple[str, dict[str, str]]]):
+                 placement: list[tuple[str, dict[str, str]]], dtype: str = "float32"):
         from pd_connector.dev.testing.ports import free_port
         from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
         from pd_connector.dev.testing.stack import kv_transfer_config
@@ -49,6 +49,7 @@ class Deployment:
                 env={**env, **bind_env, **extra_env},
                 omp_threads_bind=bind,
                 max_model_len=max_model_len,
+                dtype=dtype,
                 log_path=log_dir / f"{system}-{role}.log",
             )
         self.prefill, self.decode = servers["prefill"], servers["decode"]
