@@ -23,171 +23,57 @@ inter-token latency (one decode step ~ recomputing the one-token tail), i.e. wha
 D's first token" costs beyond D's recompute; and the connector's own transfer time
 (``vllm:pd_transfer_seconds`` / ``vllm:nixl_xfer_time_seconds``).
 
+With ``--prefix-caching``: the tiny Qwen3-Next GDN hybrid (bf16, the only dtype its CPU kernels
+run; ``--enable-prefix-caching``, i.e. Mamba align mode; max_model_len 2048) on all four servers,
+at lengths around the Mamba block B that vLLM picks (read from D's ``vllm:cache_config_info``
+after start-up: B-1, B, B+1, 2B-1, 2B+1, 3B+1 and two off the grid, unless ``--lengths``). Per
+measured request, D's ``vllm:prompt_tokens_by_source`` (local_compute, external_kv_transfer,
+local_cache_hit) is read before and after the request and the deltas are kept in its record; a
+second table gives, per length, the median tokens D computed itself and loaded from P for both
+connectors, and the share of the prompt D computed.
+
   pd-connector bench e2e --quick     # one hybrid, 3 lengths x 3 rounds (5-9 min on 2 loaded cores)
   pd-connector bench e2e             # tiny Nemotron-H hybrid and llama, 5 lengths x 8 rounds
+  pd-connector bench e2e --prefix-caching --rounds 2   # Qwen3-Next, prefix caching, 8 lengths (~10 min)
 
-Start it under ``flock /tmp/pd-e2e.lock`` on a shared box (it starts vLLM servers).
+Start it under ``flock /tmp/pd-e2e.lock`` on a shared box (it starts vLLM servers). The
+deployments and the streaming client live in ``e2e_servers``, figures and tables in ``e2e_report``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pd_connector.dev.benchmarks import report
 from pd_connector.dev.benchmarks.e2e_report import (
     SYSTEMS,
+    TOKEN_SOURCES,
     handoff_figures,
     handoff_table,
     latency_table,
     plot,
+    prefix_caching_lengths,
+    prefix_caching_rows,
+    prefix_caching_table,
     summarize,
+    token_deltas,
 )
+from pd_connector.dev.benchmarks.e2e_servers import Deployment, send
 from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.process_groups import signal_group
 from pd_connector.urls import OPENER
 
-
-
-def nixl_transfer_config(role: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
-
-
-class Deployment:
-    """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
-
-    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
-                 placement: list[tuple[str, dict[str, str]]]):
-        from pd_connector.dev.testing.ports import free_port
-        from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
-        from pd_connector.dev.testing.stack import kv_transfer_config
-
-        self.system = system
-        self.log_dir = log_dir
-        env = source_checkout_env()
-        servers = {}
-        for role, (bind, bind_env) in zip(("prefill", "decode"), placement):
-            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-            if system == "pd":
-                config, extra_env = kv_transfer_config(kv_role, free_port()), {}
-            else:
-                config = nixl_transfer_config(kv_role)
-                extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-            servers[role] = VllmServer(
-                model,
-                extra_args=[*server_args, "--kv-transfer-config", config],
-                env={**env, **bind_env, **extra_env},
-                omp_threads_bind=bind,
-                max_model_len=max_model_len,
-                log_path=log_dir / f"{system}-{role}.log",
-            )
-        self.prefill, self.decode = servers["prefill"], servers["decode"]
-        self.proxy: subprocess.Popen | None = None
-        self.proxy_url = ""
-        self._env = env
-
-    def start_proxy(self) -> None:
-        from pd_connector.dev.testing.ports import free_port
-
-        port = free_port()
-        log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "pd_connector.cli", "proxy", "--prefill", self.prefill.base_url,
-             "--decode", self.decode.base_url, "--port", str(port)],  # fmt: skip
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **self._env},
-        )
-        self.proxy_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proxy.poll() is not None:
-                raise RuntimeError(f"{self.system} proxy exited; see {self.log_dir}")
-            try:
-                with OPENER.open(self.proxy_url + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
-
-    def _groups(self) -> list[int]:
-        # Each server and the proxy run in their own session: group id == the PID started.
-        pids = [self.prefill.pid, self.decode.pid, self.proxy.pid if self.proxy is not None else None]
-        return [pid for pid in pids if pid is not None]
-
-    def pause(self) -> None:
-        """SIGSTOP every process of this deployment (--isolate): while the other system serves
-        a request, nothing of this one (engine loops, post-step spin, NIXL/UCX threads, a
-        handshake retrying) competes for the two cores."""
-        for pgid in self._groups():
-            signal_group(pgid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        for pgid in self._groups():
-            signal_group(pgid, signal.SIGCONT)
-
-    def close(self) -> None:
-        self.resume()  # a stopped process would hold its SIGTERM until SIGCONT
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()  # by PID: the process we started
-            try:
-                self.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait()
-        for server in (self.prefill, self.decode):
-            server.stop()
-
-
-def stream_completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streaming completion; times the first token chunk and the end of the stream."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, chunks, text, done = None, 0, [], False
-    with OPENER.open(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                done = True
-                resp.read()  # to the end of the response: closing earlier reads as a client abort
-                break
-            choices = json.loads(data).get("choices") or []
-            if choices:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                chunks += 1
-                text.append(choices[0].get("text") or "")
-    total = time.perf_counter() - t0
-    if not done or ttft is None:
-        raise RuntimeError(f"incomplete stream from {url}: done={done}, chunks={chunks}")
-    return {"ttft_s": ttft, "total_s": total, "chunks": chunks, "text": "".join(text)}
-
-
-def send(url: str, prompt: list[int], max_tokens: int, errors: list[dict], system: str) -> dict[str, Any]:
-    """``stream_completion``, sent once more after an HTTP or connection error (recorded in
-    ``errors`` and printed: e.g. a 502 when the proxy reuses a keep-alive connection D just
-    closed). The retry's timings are the ones recorded."""
-    try:
-        return stream_completion(url, prompt, max_tokens)
-    except (OSError, RuntimeError) as exc:  # urllib's HTTPError/URLError are OSErrors
-        errors.append({"system": system, "prompt_len": len(prompt), "error": repr(exc)})
-        print(f"  {system}: {exc!r}; sending once more", flush=True)
-        return stream_completion(url, prompt, max_tokens)
+# --prefix-caching: the one hybrid whose CPU kernels run Mamba align mode (Mamba2's SSD kernel
+# crashes in it, docs/testing.md); its GDN runs only in bf16 on vLLM CPU.
+PREFIX_CACHING_MODEL = "qwen3_next_mtp"
+PREFIX_CACHING_ARGS = ["--enable-prefix-caching"]
+PREFIX_CACHING_DTYPE = "bfloat16"
+PREFIX_CACHING_MAX_MODEL_LEN = 2048
 
 
 # Prometheus series read before and after the measured requests (sum and count of each).
@@ -204,6 +90,27 @@ SERIES = {
     ],
     "prefill": ["vllm:e2e_request_latency_seconds", "vllm:pd_claim_held_seconds"],
 }
+
+
+PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
+def prompt_tokens(server) -> dict[str, float | None]:
+    """D's cumulative prompt tokens per source (None: the series is not exported)."""
+    return {source: server.metric(PROMPT_TOKENS, {"source": source}) for source in TOKEN_SOURCES}
+
+
+def prompt_tokens_after(server, before: dict[str, float | None], n: int, timeout_s: float = 5.0) -> dict:
+    """D's counters once the request's n prompt tokens are in them: vLLM's API server counts
+    them when the engine's step stats arrive (metrics/loggers.py), not when the stream ends.
+    After ``timeout_s`` whatever is there is returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = prompt_tokens(server)
+        counted = sum(v for v in token_deltas(before, after).values() if v is not None)
+        if counted >= n or time.monotonic() > deadline:
+            return after
+        time.sleep(0.1)
 
 
 def snapshot(dep: Deployment) -> dict[str, float | None]:
@@ -234,10 +141,15 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
     log_dir = log_root / kind
     log_dir.mkdir(parents=True, exist_ok=True)
     placement = cpu_binds(2 * len(SYSTEMS))  # all four run at once
+    if args.prefix_caching:
+        server_args, dtype = PREFIX_CACHING_ARGS, PREFIX_CACHING_DTYPE
+    else:
+        server_args, dtype = list(CPU_MODELS[kind]), "float32"
     deps = {
-        s: Deployment(s, model, list(CPU_MODELS[kind]), log_dir, args.max_model_len, placement[2 * i : 2 * i + 2])
+        s: Deployment(s, model, server_args, log_dir, args.max_model_len, placement[2 * i : 2 * i + 2], dtype)
         for i, s in enumerate(SYSTEMS)
     }
+    lengths, block_sizes = args.lengths, {}
     t0 = time.monotonic()
     try:
         start_many([srv for d in deps.values() for srv in (d.prefill, d.decode)], timeout=900)
@@ -245,19 +157,26 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
             d.start_proxy()
         started = time.monotonic() - t0
         print(f"[{kind}] 4 servers and 2 proxies up in {started:.0f} s (logs {log_dir})", flush=True)
+        if args.prefix_caching:
+            block_sizes = {s: int(deps[s].decode.cache_config()["block_size"]) for s in SYSTEMS}
+            lengths = lengths or prefix_caching_lengths(block_sizes["pd"])
+            print(f"[{kind}] D's block size (Mamba align block) {block_sizes}; lengths {lengths}", flush=True)
+            if max(lengths) + args.max_tokens > args.max_model_len:
+                raise RuntimeError(f"the longest prompt {max(lengths)} plus {args.max_tokens} tokens does not "
+                                   f"fit max_model_len {args.max_model_len}")  # fmt: skip
         # Warm-up, not timed: handshakes (NIXL agents, side channels), first-use paths. A failure
         # here is kept in the JSON (e.g. NixlConnector's first handshake timing out on a loaded
         # box fails that request under its kv_load_failure_policy=fail) and the request is sent
         # once more, as in the measured rounds.
         warmup_errors: list[dict] = []
-        for i, n in enumerate((max(args.lengths), min(args.lengths))):
+        for i, n in enumerate((max(lengths), min(lengths))):
             for s in SYSTEMS:
                 send(deps[s].proxy_url, random_prompt(n, seed=10_000 + i), args.max_tokens, warmup_errors, s)
         before = {s: snapshot(deps[s]) for s in SYSTEMS}
         records: list[dict] = []
         errors: list[dict] = []
         for rnd in range(args.rounds):
-            for i, n in enumerate(args.lengths):
+            for i, n in enumerate(lengths):
                 prompt = random_prompt(n, seed=rnd * 1000 + i)
                 order = SYSTEMS if (rnd + i) % 2 == 0 else SYSTEMS[::-1]
                 outs = {}
@@ -269,9 +188,16 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
                     # (shm_broadcast.py SpinCondition): let the other deployment's go quiet first,
                     # so each request runs on a box the other system is not still burning.
                     time.sleep(args.gap_s)
+                    tokens_before = prompt_tokens(deps[s].decode) if args.prefix_caching else None
+                    failed_before = len(errors)
                     outs[s] = send(deps[s].proxy_url, prompt, args.max_tokens, errors, s)
                     records.append({"model": kind, "system": s, "round": rnd, "prompt_len": n,
                                     "first": s == order[0], **{k: v for k, v in outs[s].items() if k != "text"}})  # fmt: skip
+                    if tokens_before is not None:
+                        tokens_after = prompt_tokens_after(deps[s].decode, tokens_before, n)
+                        records[-1].update(token_deltas(tokens_before, tokens_after))
+                        # Sent twice: the deltas cover both sends (prefix_caching_rows leaves it out).
+                        records[-1]["retried"] = len(errors) > failed_before
                 records[-1]["same_text"] = records[-2]["same_text"] = outs["pd"]["text"] == outs["nixl"]["text"]
             line = "  ".join(
                 f"{s} {statistics.median(r['ttft_s'] for r in records if r['system'] == s and r['round'] == rnd) * 1e3:.0f} ms"
@@ -286,6 +212,8 @@ def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
             d.close()
     return {
         "model": kind,
+        "lengths": lengths,
+        "block_size": block_sizes or None,
         "startup_s": started,
         "records": records,
         "handoff": {s: handoff_figures(before[s], after[s], s) for s in SYSTEMS},
@@ -303,10 +231,17 @@ def parse_args(argv):
     ap.add_argument("--out", default=".artifacts/bench/", help="folder for e2e.json / e2e.png and the server logs")
     ap.add_argument("--quick", action="store_true", help="nemotron_h only, lengths 64 400 900, 3 rounds, 8 tokens")
     ap.add_argument("--models", nargs="+", choices=["nemotron_h", "llama", "granite_hybrid"])
-    ap.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in tokens (default 64 128 256 512 900)")
+    ap.add_argument("--lengths", type=int, nargs="+",
+                    help="prompt lengths in tokens (default 64 128 256 512 900; with --prefix-caching B-1, B, B+1, "
+                         "B+B//4+5, 2B-B//3, 2B-1, 2B+1, 3B+1 for D's Mamba block B)")
     ap.add_argument("--rounds", type=int, help="prompts per length, each sent to both deployments (default 8)")
     ap.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; --quick 8)")
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int,
+                    help=f"default 1024; {PREFIX_CACHING_MAX_MODEL_LEN} with --prefix-caching")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help=f"{PREFIX_CACHING_MODEL} (bf16) with --enable-prefix-caching on all four servers, lengths "
+                         "around D's Mamba block B (unless --lengths), and D's prompt tokens by source per "
+                         "request (a second table)")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                     help="SIGSTOP the other deployment while one serves a request (default on: on a "
                          "small box each system's idle processes and failures otherwise slow the other's "
@@ -315,11 +250,19 @@ def parse_args(argv):
                     help="pause before each request (default 1.5: past vLLM CPU's 1 s post-step spin)")
     ap.add_argument("--model-root", default=os.environ.get("PD_TEST_MODEL_ROOT", ".artifacts/models"))
     args = ap.parse_args(argv)
-    args.models = args.models or (["nemotron_h"] if args.quick else ["nemotron_h", "llama"])
-    args.lengths = args.lengths or ([64, 400, 900] if args.quick else [64, 128, 256, 512, 900])
+    if args.prefix_caching:
+        if args.models:
+            ap.error(f"--prefix-caching runs {PREFIX_CACHING_MODEL} only; drop --models")
+        args.models = [PREFIX_CACHING_MODEL]
+        # Lengths (unless given) come from D's Mamba block, known once the servers are up.
+        args.max_model_len = args.max_model_len or PREFIX_CACHING_MAX_MODEL_LEN
+    else:
+        args.models = args.models or (["nemotron_h"] if args.quick else ["nemotron_h", "llama"])
+        args.lengths = args.lengths or ([64, 400, 900] if args.quick else [64, 128, 256, 512, 900])
+        args.max_model_len = args.max_model_len or 1024
     args.rounds = args.rounds or (3 if args.quick else 8)
     args.max_tokens = args.max_tokens or (8 if args.quick else 16)
-    if max(args.lengths) + args.max_tokens > args.max_model_len:
+    if args.lengths and max(args.lengths) + args.max_tokens > args.max_model_len:
         ap.error("the longest prompt plus --max-tokens must fit --max-model-len")
     return args
 
@@ -331,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     log_root = Path(args.out) / "e2e-logs"
     runs = [run_model(kind, args, log_root) for kind in args.models]
-    rows = summarize(runs, args.lengths)
+    lengths = args.lengths or runs[0]["lengths"]  # --prefix-caching: one model, lengths from its block
+    rows = summarize(runs, lengths)
     title = (f"P/D end to end on vLLM CPU through pd-connector proxy: pd_connector vs NixlConnector, "
              f"{args.rounds} prompts per length, {args.max_tokens} tokens")  # fmt: skip
     lat, hand = latency_table(rows), handoff_table(runs)
@@ -342,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     print("READ done; NixlConnector: its READ); claim = D's claim round trip; P held = claims P held for their")
     print("lease (count); READ = the READ alone\n")
     print(hand)
+    tokens_rows, tokens = [], None
+    if args.prefix_caching:
+        tokens_rows = prefix_caching_rows([r for run in runs for r in run["records"]], lengths)
+        tokens = prefix_caching_table(tokens_rows)
+        print(f"\nprefix caching (D's Mamba block {runs[0]['block_size']}): D's prompt tokens per request, "
+              "median over the measured\nrequests, from D's vllm:prompt_tokens_by_source: computed = local_compute, "
+              "loaded from P =\nexternal_kv_transfer, cache hit = local_cache_hit; share = computed / prompt\n")
+        print(tokens)
     for run in runs:
         if run["errors"]:
             print(f"\n{run['model']}: {len(run['errors'])} request(s) failed once and were sent again: "
@@ -357,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
             "latency_table": lat,
             "handoff_table": hand,
+            "prefix_caching_rows": tokens_rows,
+            "prefix_caching_table": tokens,
             "wall_s": time.monotonic() - t_start,
         },
         lambda path: plot(rows, path, title),

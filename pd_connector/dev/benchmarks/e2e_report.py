@@ -1,6 +1,8 @@
 """Figures, tables and plot of the end-to-end benchmark (``pd_connector.dev.benchmarks.e2e``):
 handoff figures from the servers' Prometheus snapshots, per-length latency summaries, the two
-tables and the PNG. Pure apart from ``plot`` (matplotlib through ``report.pyplot``)."""
+tables and the PNG; in the prefix-caching case, the lengths around the Mamba block and D's
+prompt tokens by source per request. Pure apart from ``plot`` (matplotlib through
+``report.pyplot``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from pd_connector.dev.benchmarks import report
 
 SYSTEMS = ("pd", "nixl")
 LABEL = {"pd": "pd_connector", "nixl": "NixlConnector"}
+# D's ``vllm:prompt_tokens_by_source`` labels (vLLM's metrics/stats.py PromptTokenStats): what D
+# computed itself, what it loaded through the connector, what its own prefix cache served.
+TOKEN_SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 
 
 def mean_delta(before: dict, after: dict, key: str) -> float | None:
@@ -121,6 +126,64 @@ def handoff_table(runs: list[dict]) -> str:
                          f(h.get("read_ms")),
                          f(h["d_ttft_ms"]),
                          f(h["d_itl_ms"]), f(h["d_queue_ms"]), f(h["p_e2e_ms"])])  # fmt: skip
+    return report.format_table(headers, body)
+
+
+def prefix_caching_lengths(block: int) -> list[int]:
+    """Prompt lengths around vLLM's Mamba block ``block`` (the align-mode checkpoint grid), two
+    of them off the grid, ascending."""
+    b = block
+    return sorted({b - 1, b, b + 1, 2 * b - 1, 2 * b + 1, 3 * b + 1, b + b // 4 + 5, 2 * b - b // 3})
+
+
+def token_deltas(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
+    """D's prompt tokens per source over one request, as record fields ``d_<source>``; None
+    where a source is missing from either reading."""
+    out: dict[str, float | None] = {}
+    for source in TOKEN_SOURCES:
+        t0, t1 = before.get(source), after.get(source)
+        out[f"d_{source}"] = None if t0 is None or t1 is None else t1 - t0
+    return out
+
+
+def prefix_caching_rows(records: list[dict], lengths: list[int]) -> list[dict]:
+    """Per model and prompt length, per system: the median over the measured requests of D's
+    computed tokens, the tokens it loaded from P, its own prefix-cache hits, and the share of the
+    prompt D computed (``None`` where no request of that system carries the figures). A request
+    sent twice (``retried``) is left out: its deltas count both sends."""
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in records):
+        for n in lengths:
+            row: dict[str, Any] = {"model": model, "prompt_len": n}
+            for s in SYSTEMS:
+                recs = [r for r in records if r["model"] == model and r["system"] == s and r["prompt_len"] == n
+                        and r.get("d_local_compute") is not None and not r.get("retried")]  # fmt: skip
+                row[f"{s}_n"] = len(recs)
+                for source, key in (("local_compute", "computed"), ("external_kv_transfer", "loaded"),
+                                    ("local_cache_hit", "cache_hit")):  # fmt: skip
+                    xs = [r[f"d_{source}"] for r in recs if r.get(f"d_{source}") is not None]
+                    row[f"{s}_{key}"] = statistics.median(xs) if xs else None
+                row[f"{s}_computed_share"] = statistics.median(r["d_local_compute"] / n for r in recs) if recs else None
+            rows.append(row)
+    return rows
+
+
+def prefix_caching_table(rows: list[dict]) -> str:
+    headers = ["model", "prompt", "D computed pd", "D computed nixl", "loaded from P pd", "loaded from P nixl",
+               "D computed share pd", "D computed share nixl", "D cache hit pd/nixl", "requests pd/nixl"]  # fmt: skip
+
+    def f(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    body = [
+        [r["model"], r["prompt_len"], f(r["pd_computed"]), f(r["nixl_computed"]), f(r["pd_loaded"]),
+         f(r["nixl_loaded"]), pct(r["pd_computed_share"]), pct(r["nixl_computed_share"]),
+         f"{f(r['pd_cache_hit'])}/{f(r['nixl_cache_hit'])}", f"{r['pd_n']}/{r['nixl_n']}"]  # fmt: skip
+        for r in rows
+    ]
     return report.format_table(headers, body)
 
 

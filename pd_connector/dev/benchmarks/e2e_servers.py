@@ -1,0 +1,152 @@
+"""The two P/D deployments of the end-to-end benchmark (``pd_connector.dev.benchmarks.e2e``) and
+its streaming client: P and D with one connector (pd_connector or vLLM's NixlConnector) behind a
+``pd-connector proxy``, paused and resumed by process group for ``--isolate``; one streaming
+``/v1/completions`` request timed to its first token and its end, sent once more after an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pd_connector.dev.testing.process_groups import signal_group
+from pd_connector.urls import OPENER
+
+
+def nixl_transfer_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+class Deployment:
+    """P + D (one connector) and a ``pd-connector proxy`` in front of them."""
+
+    def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
+                 placement: list[tuple[str, dict[str, str]]], dtype: str = "float32"):
+        from pd_connector.dev.testing.ports import free_port
+        from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
+        from pd_connector.dev.testing.stack import kv_transfer_config
+
+        self.system = system
+        self.log_dir = log_dir
+        env = source_checkout_env()
+        servers = {}
+        for role, (bind, bind_env) in zip(("prefill", "decode"), placement):
+            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+            if system == "pd":
+                config, extra_env = kv_transfer_config(kv_role, free_port()), {}
+            else:
+                config = nixl_transfer_config(kv_role)
+                extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            servers[role] = VllmServer(
+                model,
+                extra_args=[*server_args, "--kv-transfer-config", config],
+                env={**env, **bind_env, **extra_env},
+                omp_threads_bind=bind,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                log_path=log_dir / f"{system}-{role}.log",
+            )
+        self.prefill, self.decode = servers["prefill"], servers["decode"]
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = ""
+        self._env = env
+
+    def start_proxy(self) -> None:
+        from pd_connector.dev.testing.ports import free_port
+
+        port = free_port()
+        log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "pd_connector.cli", "proxy", "--prefill", self.prefill.base_url,
+             "--decode", self.decode.base_url, "--port", str(port)],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self._env},
+        )
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proxy.poll() is not None:
+                raise RuntimeError(f"{self.system} proxy exited; see {self.log_dir}")
+            try:
+                with OPENER.open(self.proxy_url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
+
+    def _groups(self) -> list[int]:
+        # Each server and the proxy run in their own session: group id == the PID started.
+        pids = [self.prefill.pid, self.decode.pid, self.proxy.pid if self.proxy is not None else None]
+        return [pid for pid in pids if pid is not None]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of this deployment (--isolate): while the other system serves
+        a request, nothing of this one (engine loops, post-step spin, NIXL/UCX threads, a
+        handshake retrying) competes for the two cores."""
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pgid in self._groups():
+            signal_group(pgid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.resume()  # a stopped process would hold its SIGTERM until SIGCONT
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()  # by PID: the process we started
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+        for server in (self.prefill, self.decode):
+            server.stop()
+
+
+def stream_completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streaming completion; times the first token chunk and the end of the stream."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, chunks, text, done = None, 0, [], False
+    with OPENER.open(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                resp.read()  # to the end of the response: closing earlier reads as a client abort
+                break
+            choices = json.loads(data).get("choices") or []
+            if choices:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+                text.append(choices[0].get("text") or "")
+    total = time.perf_counter() - t0
+    if not done or ttft is None:
+        raise RuntimeError(f"incomplete stream from {url}: done={done}, chunks={chunks}")
+    return {"ttft_s": ttft, "total_s": total, "chunks": chunks, "text": "".join(text)}
+
+
+def send(url: str, prompt: list[int], max_tokens: int, errors: list[dict], system: str) -> dict[str, Any]:
+    """``stream_completion``, sent once more after an HTTP or connection error (recorded in
+    ``errors`` and printed: e.g. a 502 when the proxy reuses a keep-alive connection D just
+    closed). The retry's timings are the ones recorded."""
+    try:
+        return stream_completion(url, prompt, max_tokens)
+    except (OSError, RuntimeError) as exc:  # urllib's HTTPError/URLError are OSErrors
+        errors.append({"system": system, "prompt_len": len(prompt), "error": repr(exc)})
+        print(f"  {system}: {exc!r}; sending once more", flush=True)
+        return stream_completion(url, prompt, max_tokens)
