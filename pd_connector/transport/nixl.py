@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -24,11 +25,25 @@ from pd_connector.transport.backends import backend_params, import_nixl
 logger = logging.getLogger("vllm.pd_connector")
 
 DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
-
-
+# A peer set-up or notification call that holds the engine thread this long is logged: NIXL
+# 1.5.1's binding releases the GIL in only some of its calls, and one that keeps it stops every
+# thread of the process, the side channel's included (docs/operations.md, "Unanswered first
+# calls"). D's READ posts and polls are timed by the receiver (nixl_call_slow).
+SLOW_CALL_S = 1.0
 
 
 _AGENT_CREATION = threading.Lock()
+
+
+def _timed(what: str, call, *args):
+    """``call(*args)``, logged when it held this thread SLOW_CALL_S or more."""
+    started = time.monotonic()
+    try:
+        return call(*args)
+    finally:
+        took = time.monotonic() - started
+        if took >= SLOW_CALL_S:
+            logger.warning("pd_connector: NIXL %s held this process's engine thread %.1f s", what, took)
 
 
 
@@ -186,12 +201,13 @@ class NixlTransport:
         # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
         # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
         if agent_name != self.name:
-            loaded = self._agent.add_remote_agent(agent_metadata)
+            loaded = _timed("add_remote_agent", self._agent.add_remote_agent, agent_metadata)
             agent_name = loaded.decode() if isinstance(loaded, bytes) else loaded
         packed = layout.common_packing(local_regions, regions)
         local_rows, local_dlist = self._local_list(packed, local_regions)
         rows = layout.descriptor_rows(regions, packed)
-        dlist = self._agent.prep_xfer_dlist(agent_name, rows.strided(device_id), self.mem_type)
+        strided = rows.strided(device_id)
+        dlist = _timed("prep_xfer_dlist", self._agent.prep_xfer_dlist, agent_name, strided, self.mem_type)
         self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist, shard=local_regions_given)
 
     def connect(self, key: str) -> None:
@@ -201,7 +217,7 @@ class NixlTransport:
         if peer.agent_name == self.name:
             return
         try:
-            self._agent.make_connection(peer.agent_name)
+            _timed("make_connection", self._agent.make_connection, peer.agent_name)
         except Exception as exc:  # pragma: no cover - depends on the backend
             logger.info("pd_connector: pre-connecting to NIXL peer %s failed: %s", key, exc)
 
@@ -301,7 +317,7 @@ class NixlTransport:
 
     def take_notifications(self) -> list[bytes]:
         """Notifications received since the last call, from every peer."""
-        notifs = self._agent.get_new_notifs()
+        notifs = _timed("get_new_notifs", self._agent.get_new_notifs)
         return [m for msgs in notifs.values() for m in msgs]
 
     def close(self) -> None:

@@ -594,3 +594,16 @@ def test_an_agent_with_a_progress_delay_still_completes_reads_only_d_polls():
     finally:
         d.transport.close()
         p.transport.close()
+
+
+def test_a_nixl_call_that_holds_the_engine_thread_is_logged(monkeypatch, caplog):
+    """A side-channel thread held 22.7 s on P in CI with nothing else in P's log: the NIXL calls
+    outside D's READ path (notifications, peer set-up) now say when they held the thread."""
+    from pd_connector.transport import nixl as nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "SLOW_CALL_S", 0.05)
+    with caplog.at_level("WARNING", logger="vllm.pd_connector"):
+        assert nixl_transport._timed("get_new_notifs", lambda: time.sleep(0.1) or {}) == {}
+        assert nixl_transport._timed("make_connection", lambda name: name, "fast") == "fast"
+    assert "NIXL get_new_notifs held this process's engine thread" in caplog.text
+    assert "make_connection" not in caplog.text
