@@ -23,7 +23,7 @@ from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
 from pd_connector.engine.compat import engine_compat, regions_from_kv_caches, tp_rank_and_size
 from pd_connector.engine.digest import PageDigester
-from pd_connector.engine.faults import state_corrupter
+from pd_connector.engine.faults import Faults, state_corrupter
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import PDStats, Recorder
 from pd_connector.engine.receiver import Receiver
@@ -71,11 +71,12 @@ class WorkerHalf:
         )
         self.transport.register(allocations, regions)
         digest = corrupt = None
-        if self.mamba_groups:
+        # Page views only where something reads them: the digest, or the test-only corrupter
+        # (with the digest off too: the negative controls corrupt what D keeps and serves).
+        if self.mamba_groups and (self.settings.verify_state_digest or Faults().enabled):
             digester = PageDigester(kv_caches, regions)
             if self.settings.verify_state_digest:
                 digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
-            # With the digest off too: the negative controls corrupt what D keeps and serves.
             corrupt = state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
         logger.info(
             "pd_connector worker: TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",

@@ -46,7 +46,6 @@ def _timed(what: str, call, *args):
             logger.warning("pd_connector: NIXL %s held this process's engine thread %.1f s", what, took)
 
 
-
 class _DelayedProgressBind:
     """Stands in for NIXL's ``nixlBind`` module while ``nixl_agent.__init__`` runs, setting the
     progress thread's poll delay that the Python API hard-codes to 0 (``agent_config.pthrDelay
