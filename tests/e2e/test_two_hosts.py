@@ -36,6 +36,8 @@ LEASE_S = 30.0
 READ_WARN_S = 1.0
 CAPPED_RATE = "2mbit"  # ~250 KB/s: the tiny Llama's ~1 KiB of KV per token takes ~4 s for 900 tokens
 LONG_PROMPT = 900
+# Room for a decode that outlasts P's death in the last test (the tiny model allows 2048).
+MAX_MODEL_LEN = 2048
 LINK_DOWN_S = 5.0
 # How long after the fault (or the link coming back) a request may take to finish: the
 # handshake timeout, a claim wait, and D's recompute and decode on a loaded 2-core box.
@@ -67,6 +69,7 @@ def pair(net, models_root, artifacts):
         decode_env=ucx_tables,
         with_proxy=False,
         log_dir=str(artifacts / "two_hosts"),
+        max_model_len=MAX_MODEL_LEN,
         prefill_host=net.a,
         decode_host=net.b,
     )
@@ -234,16 +237,20 @@ def test_p_killed_during_a_read_and_a_decode_ends_in_aggregated_output(pair, net
     queued, which here is the whole READ; otherwise D recomputes (default load_failure_policy).
     Kills P: the module's last test."""
     d = pair.decode
-    decoding_prompt, long_decode = random_prompt(64, seed=34), 900
+    decoding_prompt = random_prompt(64, seed=34)
+    long_decode = MAX_MODEL_LEN - len(decoding_prompt)
     reading_prompt = random_prompt(LONG_PROMPT, seed=35)
     ref_decoding = pair.reference(decoding_prompt, long_decode)
     ref_reading = pair.reference(reading_prompt, MAX_TOKENS)
     accepted, failed = event(d, "handoff_accepted"), load_failures(d)
+    # P prefills the READ's prompt before the long decode starts, so that only the READ's
+    # start stands between the decode's handoff and the kill (with P's prefill in that gap too,
+    # a fast box once finished a 900-token decode 15 ms before P died).
+    params = pair.prefill_only(reading_prompt)
     decoding = Background(pair.handoff, decoding_prompt, long_decode)
     wait_until(lambda: event(d, "handoff_accepted") > accepted, 60, "the first handoff accepted")
     net.a.limit_rate(CAPPED_RATE)
     try:
-        params = pair.prefill_only(reading_prompt)
         slow = event(d, "read_slow")
         reading = Background(pair.decode_with, reading_prompt, params, MAX_TOKENS)
         wait_until(lambda: event(d, "read_slow") > slow, 60, "D's READ in flight (read_slow)")
