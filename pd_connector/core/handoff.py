@@ -160,6 +160,15 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     return checkpoint
 
 
+def pinned_boundary(current: int, keep: int) -> int | None:
+    """The shared-prefix boundary P sets to keep checkpoint ``keep`` (``checkpoint_to_keep``),
+    given the one vLLM's lookup left on the request: ``keep`` over none (0) or over itself; None
+    (leave it, and count it) over a junction vLLM found itself, such as a system prompt shared
+    with other cached requests. A request carries one boundary, and that junction serves every
+    sibling request, where ours would serve only this conversation."""
+    return keep if current in (0, keep) else None
+
+
 def offered_offset(chosen: int, num_computed_tokens: int) -> int:
     """What P may hand over at finish: the chosen offset only if P computed exactly that many
     tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
@@ -320,6 +329,7 @@ __all__ = [
     "mamba_checkpoint_position",
     "min_recompute_tokens",
     "offered_offset",
+    "pinned_boundary",
     "plan_handoff",
     "requested_decode_requests",
     "requested_min_recompute",

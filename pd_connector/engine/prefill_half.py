@@ -128,16 +128,16 @@ class PrefillHalf:
     def keep_prompt_checkpoint(self, request: "Request") -> None:
         """Right after vLLM's local prefix lookup (get_num_new_matched_tokens): pin the whole
         prompt's checkpoint as the request's shared-prefix boundary, which the Mamba manager
-        keeps besides the truncated prompt's own (``cache_blocks``, reachable boundaries). A
-        junction vLLM found itself (a prefix shared with other cached requests, such as a
-        system prompt) is left alone: one pin per request, and that one serves every sibling."""
+        keeps besides the truncated prompt's own (``cache_blocks``, reachable boundaries), unless
+        vLLM set a junction of its own there (``handoff.pinned_boundary``)."""
         chosen = self.offsets.get(request.request_id)
         if chosen is None or not chosen.keep:
             return
-        if request.shared_prefix_boundary in (0, chosen.keep):
-            request.shared_prefix_boundary = chosen.keep
-        else:
+        boundary = handoff.pinned_boundary(request.shared_prefix_boundary, chosen.keep)
+        if boundary is None:
             self.recorder.count("p_checkpoint_not_kept")
+        else:
+            request.shared_prefix_boundary = boundary
 
     def _router_hint(self, request, params, key, parse, default: int, expected: str, event: str) -> int:
         """A router's optional hint, parsed by the core; a malformed one is logged, counted

@@ -25,7 +25,7 @@ from pd_connector.transport.backends import backend_params, import_nixl
 logger = logging.getLogger("vllm.pd_connector")
 
 DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
-# A peer set-up or notification call that holds the engine thread this long is logged: NIXL
+# A peer set-up, teardown, release or notification call that holds the engine thread this long is logged: NIXL
 # 1.5.1's binding releases the GIL in only some of its calls, and one that keeps it stops every
 # thread of the process, the side channel's included (docs/operations.md, "Unanswered first
 # calls"). D's READ posts and polls are timed by the receiver (nixl_call_slow).
@@ -225,9 +225,9 @@ class NixlTransport:
         if peer is None:
             return
         try:
-            self._agent.release_dlist_handle(peer.dlist)
+            _timed("release_dlist_handle", self._agent.release_dlist_handle, peer.dlist)
             if peer.agent_name != self.name:
-                self._agent.remove_remote_agent(peer.agent_name)
+                _timed("remove_remote_agent", self._agent.remove_remote_agent, peer.agent_name)
         except Exception as exc:  # pragma: no cover - best effort during teardown
             logger.warning("pd_connector: removing NIXL peer %s failed: %s", key, exc)
 
@@ -307,12 +307,12 @@ class NixlTransport:
 
     def release(self, handle) -> None:
         try:
-            self._agent.release_xfer_handle(handle)
+            _timed("release_xfer_handle", self._agent.release_xfer_handle, handle)
         except Exception as exc:  # pragma: no cover
             logger.warning("pd_connector: releasing a NIXL handle failed: %s", exc)
 
     def notify(self, key: str, message: bytes) -> None:
-        self._agent.send_notif(self._peers[key].agent_name, message)
+        _timed("send_notif", self._agent.send_notif, self._peers[key].agent_name, message)
 
     def take_notifications(self) -> list[bytes]:
         """Notifications received since the last call, from every peer."""

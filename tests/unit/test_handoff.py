@@ -17,6 +17,7 @@ from pd_connector.core.handoff import (
     RecomputeProfile,
     Refused,
     checkpoint_to_keep,
+    pinned_boundary,
     choose_replay_offset,
     decide_on_decode,
     mamba_checkpoint_position,
@@ -200,6 +201,15 @@ def test_p_keeps_k_blocks_at_n_equal_k_blocks_plus_one():
     for k in (1, 2, 3):
         assert checkpoint_to_keep(plan_handoff(k * 384 + 1, profile), profile) == k * 384
         assert checkpoint_to_keep(plan_handoff(k * 384 + 2, profile), profile) == 0  # vLLM keeps it
+
+
+def test_p_pins_its_checkpoint_only_where_vllm_set_no_junction_of_its_own():
+    """vLLM's own junction (a system prompt shared with other cached requests), below or above
+    P's checkpoint, stays: it serves every sibling, P's pin only this conversation."""
+    assert pinned_boundary(0, 768) == 768
+    assert pinned_boundary(768, 768) == 768
+    assert pinned_boundary(384, 768) is None
+    assert pinned_boundary(1152, 768) is None
 
 
 @pytest.mark.parametrize("n", [0, -1, -100])

@@ -6,16 +6,14 @@ its streaming client: P and D with one connector (pd_connector or vLLM's NixlCon
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pd_connector.dev.testing.process_groups import signal_group
+from pd_connector.dev.testing.proxy_process import ProxyProcess
 from pd_connector.urls import OPENER
 
 
@@ -53,34 +51,14 @@ class Deployment:
                 log_path=log_dir / f"{system}-{role}.log",
             )
         self.prefill, self.decode = servers["prefill"], servers["decode"]
-        self.proxy: subprocess.Popen | None = None
+        self.proxy: ProxyProcess | None = None
         self.proxy_url = ""
         self._env = env
 
     def start_proxy(self) -> None:
-        from pd_connector.dev.testing.ports import free_port
-
-        port = free_port()
-        log = open(self.log_dir / f"{self.system}-proxy.log", "wb")  # noqa: SIM115 - closed with the process
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "pd_connector.cli", "proxy", "--prefill", self.prefill.base_url,
-             "--decode", self.decode.base_url, "--port", str(port)],  # fmt: skip
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **self._env},
-        )
-        self.proxy_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proxy.poll() is not None:
-                raise RuntimeError(f"{self.system} proxy exited; see {self.log_dir}")
-            try:
-                with OPENER.open(self.proxy_url + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"{self.system} proxy not healthy within 60 s")
+        self.proxy = ProxyProcess(self.prefill.base_url, self.decode.base_url,
+                                  self.log_dir / f"{self.system}-proxy.log", self._env)  # fmt: skip
+        self.proxy_url = self.proxy.url
 
     def _groups(self) -> list[int]:
         # Each server and the proxy run in their own session: group id == the PID started.
@@ -100,13 +78,8 @@ class Deployment:
 
     def close(self) -> None:
         self.resume()  # a stopped process would hold its SIGTERM until SIGCONT
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()  # by PID: the process we started
-            try:
-                self.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait()
+        if self.proxy is not None:
+            self.proxy.stop()
         for server in (self.prefill, self.decode):
             server.stop()
 

@@ -8,12 +8,7 @@ server configuration is started once per run and driven the same way everywhere.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +17,7 @@ from pd_connector.core.params import PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_port, free_ports
+from pd_connector.dev.testing.proxy_process import ProxyProcess
 from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
 
 
@@ -155,7 +151,7 @@ class PDStack:
                 **common,
             )
         self.proxy_url: str | None = None
-        self._proxy: subprocess.Popen | None = None
+        self._proxy: ProxyProcess | None = None
 
     @property
     def servers(self) -> list[VllmServer]:
@@ -165,48 +161,19 @@ class PDStack:
         try:
             start_many(self.servers, timeout=timeout)
             if self.config.with_proxy:
-                self._start_proxy()
+                self._proxy = ProxyProcess(
+                    self.prefill.base_url, self.decode.base_url, self.log_dir / "proxy.log",
+                    {"PYTHONPATH": self.prefill.env.get("PYTHONPATH", "")}, self.config.proxy_args,
+                )
+                self.proxy_url = self._proxy.url
         except BaseException:
             self.close()
             raise
         return self
 
-    def _start_proxy(self) -> None:
-        port = free_port()
-        log = open(self.log_dir / "proxy.log", "wb")
-        self._proxy = subprocess.Popen(
-            [
-                sys.executable, "-m", "pd_connector.cli", "proxy",
-                "--prefill", self.prefill.base_url,
-                "--decode", self.decode.base_url,
-                "--port", str(port),
-                *self.config.proxy_args,
-            ],  # fmt: skip
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONPATH": self.prefill.env.get("PYTHONPATH", "")},
-        )
-        self.proxy_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self._proxy.poll() is not None:
-                raise RuntimeError(f"proxy exited: {(self.log_dir / 'proxy.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.proxy_url + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("proxy did not become healthy within 60 s")
-
     def close(self) -> None:
-        if self._proxy is not None and self._proxy.poll() is None:
-            self._proxy.terminate()
-            try:
-                self._proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proxy.kill()
-                self._proxy.wait()
+        if self._proxy is not None:
+            self._proxy.stop()
         for server in self.servers:
             server.stop()
 
