@@ -39,7 +39,13 @@ def start_stack(kind: str, models_root: Path, artifacts: Path, **overrides) -> P
         prefill_engine_id=f"pd-e2e-{kind}-prefill",
         **overrides,
     )
-    return PDStack(config).start()
+    stack = PDStack(config).start()
+    try:
+        stack.warm_up()
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 @pytest.fixture(scope="session", params=sorted(CPU_MODELS))
