@@ -20,13 +20,17 @@ def loaded_tokens(stack) -> float:
 
 def test_prefill_restarted_under_its_engine_id_serves_the_next_handoffs(stack):
     """P comes back under the same engine id (pinned in kv_transfer_config) with a new NIXL
-    agent: D's cached connection is stale. The next handoffs are accepted (D reconnects when
-    P's grant names another agent) and none returns wrong text."""
+    agent: D's cached connection is stale. None of the handoffs after it returns wrong text; the
+    first reconnects (D sees P's new agent) and may be recomputed, as a new P's first handoff
+    may be (PDStack.warm_up: it has taken 3-8 s on a loaded CI box, past the claim's timeout);
+    the next ones are all loaded from P."""
     if stack.kind != "nemotron_h":
         pytest.skip("one hybrid carries the destructive tests")
     warm = random_prompt(100, seed=50)
     assert compare(stack.reference(warm, 8), stack.handoff(warm, 8)[1], tie_margin=1e-5, logprob_tol=1e-4).ok
     stack.prefill.restart()
+    first = random_prompt(90, seed=52)
+    assert compare(stack.reference(first, 8), stack.handoff(first, 8)[1], tie_margin=1e-5, logprob_tol=1e-4).ok
     prompts = [random_prompt(n, seed=51) for n in (64, 129, 200)]
     before = loaded_tokens(stack)
     offsets = []

@@ -21,7 +21,7 @@ from pd_connector.dev.testing.cpu_matrix import TP_MODELS, boundary_lengths, ran
 from pd_connector.dev.testing.oracle import compare
 from pd_connector.dev.testing.spec_matrix import BF16_LOGPROB_TOL, BF16_TIE_MARGIN
 from pd_connector.dev.testing.tiny_models import build_model
-from pd_connector.dev.testing.tp_matrix import make_instances, running
+from pd_connector.dev.testing.tp_matrix import make_instances, running, warm_up
 from pd_connector.engine.faults import RESUME_SHIFT
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +45,7 @@ def tp(request, tmp_path_factory):
         env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
     )
     with running(instances):
+        warm_up(instances)
         yield kind, dtype, instances
 
 

@@ -220,9 +220,10 @@ class PDStack:
         """One handoff whose outcome is not checked, before the tests that share this stack: D's
         first handoff from a new P (handshake, NIXL agent and endpoints, P's first claim) has
         taken 8 s on a loaded 2-core CI box, past the e2e claim deadline, and a test that counts
-        one handoff's events must not race it. Connection set-up has tests of its own."""
+        one handoff's events must not race it (docs/operations.md, "Unanswered first calls").
+        Connection set-up has tests of its own."""
         prompt = [4 + (7 * i) % 900 for i in range(48)]
-        self.decode_with(prompt, self.prefill_only(prompt), 1)
+        self.decode_with(prompt, self.prefill_only(prompt), 1, timeout=600.0)
 
     def via_proxy(self, prompt: Sequence[int], max_tokens: int, **kw) -> Completion:
         assert self.proxy_url is not None

@@ -36,10 +36,10 @@ class TPInstance:
     def reference(self, prompt: Sequence[int], max_tokens: int, **kw: Any) -> Completion:
         return complete(self.server.base_url, self.served_model_name, prompt, max_tokens, **kw)
 
-    def prefill(self, prompt: Sequence[int]) -> dict[str, Any]:
+    def prefill(self, prompt: Sequence[int], **kw: Any) -> dict[str, Any]:
         out = complete(
             self.server.base_url, self.served_model_name, prompt, 1, logprobs=None,
-            kv_transfer_params=dict(PREFILL_REQUEST_PARAMS),
+            kv_transfer_params=dict(PREFILL_REQUEST_PARAMS), **kw,
         )  # fmt: skip
         return out.kv_transfer_params or {}
 
@@ -85,6 +85,17 @@ def make_instances(
         )
         out[tp] = TPInstance(tp, server)
     return out
+
+
+def warm_up(instances: dict[int, TPInstance], timeout: float = 600.0) -> None:
+    """One handoff per ordered pair of instances (each to itself too), outcome unchecked, before
+    the tests: the first READ between two instances has stalled for 15-131 s on a 2-core CI box
+    (more vLLM workers than cores: docs/operations.md, "Unanswered first calls"), past the
+    claim's timeout, and a cell that counts D's loaded tokens must not race it."""
+    prompt = [4 + (7 * i) % 900 for i in range(40)]
+    for p in instances.values():
+        for d in instances.values():
+            d.decode(prompt, p.prefill(prompt, timeout=timeout), 1, timeout=timeout)
 
 
 @contextmanager
