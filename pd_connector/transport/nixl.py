@@ -25,10 +25,10 @@ from pd_connector.transport.backends import backend_params, import_nixl
 logger = logging.getLogger("vllm.pd_connector")
 
 DONE, PENDING, FAILED = "DONE", "PROC", "ERR"
-# A peer set-up, teardown, release or notification call that holds the engine thread this long is logged: NIXL
-# 1.5.1's binding releases the GIL in only some of its calls, and one that keeps it stops every
-# thread of the process, the side channel's included (docs/operations.md, "Unanswered first
-# calls"). D's READ posts and polls are timed by the receiver (nixl_call_slow).
+# A peer set-up, teardown, release or notification call that holds the engine thread this long
+# is logged: NIXL 1.5.1's binding releases the GIL in only some of its calls, and one that keeps
+# it stops every thread of the process, the side channel's included (docs/operations.md,
+# "Unanswered first calls"). D's READ posts and polls are timed by the receiver (nixl_call_slow).
 SLOW_CALL_S = 1.0
 
 

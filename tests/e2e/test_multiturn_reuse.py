@@ -134,9 +134,8 @@ def _lengths(block: int) -> list[int]:
 @pytest.fixture(scope="module")
 def turns(pair):
     """Per length around the grid, one conversation: turn 1 handed over from A to B (checked
-    against aggregated serving and against the same handoff without prefix caching, the no-cache
-    instance handing over to itself), then turn 2 aggregated on A (its own cache_salt), through
-    A as P, and on B; rows of offsets, D's computed tokens and turn-2 hits."""
+    against aggregated serving), then turn 2 aggregated on A (its own cache_salt), through A as
+    P, and on B; rows of offsets, D's computed tokens and turn-2 hits."""
     a, b = pair
     block = int(b.server.cache_config()["block_size"])
     rows = []

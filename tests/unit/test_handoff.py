@@ -17,11 +17,11 @@ from pd_connector.core.handoff import (
     RecomputeProfile,
     Refused,
     checkpoint_to_keep,
-    pinned_boundary,
     choose_replay_offset,
     decide_on_decode,
     mamba_checkpoint_position,
     min_recompute_tokens,
+    pinned_boundary,
     plan_handoff,
 )
 from pd_connector.core.params import (

@@ -36,6 +36,11 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(4, 1000) for _ in range(n)]
 
 
+# The warm-up handoffs' prompts (stack.PDStack.warm_up, tp_matrix.warm_up): a seed no test uses,
+# so a warm-up never leaves a test's prompt in a prefix cache.
+WARM_UP_SEED = 987_654
+
+
 # Connector settings exercised end to end per model (defaults elsewhere): the authenticated side
 # channel and the recurrent-state digest on one hybrid.
 E2E_EXTRA_CONFIG: dict[str, dict] = {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
+from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_port, free_ports
@@ -222,7 +223,7 @@ class PDStack:
         taken 8 s on a loaded 2-core CI box, past the e2e claim deadline, and a test that counts
         one handoff's events must not race it (docs/operations.md, "Unanswered first calls").
         Connection set-up has tests of its own."""
-        prompt = [4 + (7 * i) % 900 for i in range(48)]
+        prompt = random_prompt(48, seed=WARM_UP_SEED)
         self.decode_with(prompt, self.prefill_only(prompt), 1, timeout=600.0)
 
     def via_proxy(self, prompt: Sequence[int], max_tokens: int, **kw) -> Completion:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
+from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_ports
@@ -92,7 +93,7 @@ def warm_up(instances: dict[int, TPInstance], timeout: float = 600.0) -> None:
     the tests: the first READ between two instances has stalled for 15-131 s on a 2-core CI box
     (more vLLM workers than cores: docs/operations.md, "Unanswered first calls"), past the
     claim's timeout, and a cell that counts D's loaded tokens must not race it."""
-    prompt = [4 + (7 * i) % 900 for i in range(40)]
+    prompt = random_prompt(40, seed=WARM_UP_SEED)
     for p in instances.values():
         for d in instances.values():
             d.decode(prompt, p.prefill(prompt, timeout=timeout), 1, timeout=timeout)
