@@ -39,6 +39,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # claim (D extends handoffs it queues). A handoff no D claims (an unreachable P address in
     # the params, a client gone between P and D) is freed after this, not after lease_seconds.
     claim_deadline_seconds: float = 30.0
+    # The longest P keeps a handoff's blocks after its prefill, however often D claims or extends
+    # it: P frees them then even under a READ in flight, and D fails such a READ and recomputes
+    # (D trusts a READ only inside the hold P confirmed, core/read_hold.py).
+    max_hold_seconds: float = 600.0
     # D gives up on a P that does not answer the handshake within this time (recompute).
     handshake_timeout_seconds: float = 10.0
     # What D does when a load fails: "recompute" the prompt locally (no request is lost) or
@@ -114,6 +118,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         for name in (
             "lease_seconds",
             "claim_deadline_seconds",
+            "max_hold_seconds",
             "handshake_timeout_seconds",
             "claim_wait_seconds",
             "read_warn_seconds",

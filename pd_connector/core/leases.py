@@ -24,6 +24,11 @@ and every reader P granted a claim to has completed: blocks are never freed unde
 READ. D's scheduler may release a lease whole (no reader): no claim is granted after that, and
 it ends once the granted readers are done. A late claim on a lease that ended is refused at
 once (``ENDED``), not left pending.
+
+The deadline is the one exception, on purpose: a lease ends at its deadline even under a
+granted READ, and no claim or extension moves it past ``max_hold`` after the grant, so P's hold
+is bounded whatever the link or D does. D trusts a READ only if it completed inside the hold P
+confirmed (``read_hold.py``); one that outlived the lease fails and is recomputed.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Lease(NamedTuple):
     claimed: frozenset[str] = frozenset()  # readers granted a claim
     done: frozenset[str] = frozenset()  # readers that completed
     closing: bool = False  # released whole by D's scheduler: no new claims
+    cap: float = float("inf")  # no claim or extension keeps the lease past this
 
     def reading(self) -> bool:
         """A granted reader has not completed: its READ may be in flight."""
@@ -91,15 +97,19 @@ def _frozen(block_ids) -> tuple[tuple[int, ...], ...]:
 
 
 class LeaseTable:
-    def __init__(self, claim_seconds: float = float("inf")) -> None:
+    def __init__(self, claim_seconds: float = float("inf"), max_hold: float = float("inf")) -> None:
         # How long readers still due may take to claim once every granted reader is done.
         self.claim_seconds = claim_seconds
+        # The longest a lease lives after its grant, however often D claims or extends it.
+        self.max_hold = max_hold
         self._leases: dict[str, Lease] = {}
         self._early: dict[str, _Early] = {}
         self._expired: dict[str, float] = {}
         self._ended: dict[str, float] = {}  # in ending order: forgotten from the front
         self._finished: list[str] = []
         self.expired_total = 0
+        # Leases that reached their deadline with a granted READ not reported done.
+        self.expired_reading_total = 0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -115,9 +125,12 @@ class LeaseTable:
         block_ids: Sequence[Sequence[int]] = (),
         digest: str = "",
         requests: int = 1,
+        now: float | None = None,
     ) -> None:
-        """Lease ``request_id``'s blocks until ``deadline``, for ``requests`` D requests."""
-        lease = Lease(deadline, offset, _frozen(block_ids), digest, max(1, requests))
+        """Lease ``request_id``'s blocks until ``deadline``, for ``requests`` D requests, and at
+        most ``max_hold`` past ``now`` (the grant's time; default: the deadline's own bound)."""
+        cap = (deadline if now is None else now) + self.max_hold
+        lease = Lease(deadline, offset, _frozen(block_ids), digest, max(1, requests), cap=cap)
         early = self._early.pop(request_id, None)
         if early is not None:
             lease = lease._replace(readers=early.readers, done=early.done, closing=early.whole)
@@ -165,7 +178,7 @@ class LeaseTable:
         if reader in lease.done or (lease.closing and reader not in lease.claimed):
             return ENDED, f"{reader or 'the decode instance'} already released or read {request_id}"
         self._leases[request_id] = lease._replace(
-            deadline=max(lease.deadline, extend_to),
+            deadline=min(max(lease.deadline, extend_to), lease.cap),
             readers=max(lease.readers, readers),
             claimed=lease.claimed | {reader} if reader else lease.claimed,
         )
@@ -176,8 +189,13 @@ class LeaseTable:
         lease = self._leases.get(request_id)
         if lease is None or lease.deadline <= now:
             return False
-        self._leases[request_id] = lease._replace(deadline=max(lease.deadline, extend_to))
+        self._leases[request_id] = lease._replace(deadline=min(max(lease.deadline, extend_to), lease.cap))
         return True
+
+    def held_seconds(self, request_id: str, now: float) -> float:
+        """How long from ``now`` the lease of ``request_id`` is still held (0: not held)."""
+        lease = self._leases.get(request_id)
+        return max(0.0, lease.deadline - now) if lease is not None else 0.0
 
     def complete(self, request_id: str, now: float, reader: str = "", readers: int = 1) -> bool:
         """``reader`` (one of ``readers`` per D request) is done with ``request_id``; no reader:
@@ -221,6 +239,7 @@ class LeaseTable:
         (the bug of vllm#58222)."""
         expired = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
         for rid in expired:
+            self.expired_reading_total += self._leases[rid].reading()
             del self._leases[rid]
             self._expired[rid] = now
         self._finished.extend(expired)

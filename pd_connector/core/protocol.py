@@ -19,7 +19,10 @@ import msgspec
 #      (port + rank), rank and shard segments in Welcome, readers in Claim/Release/ReadDone.
 #   3: the prompt fingerprint (pd_prompt_digest in the params and the claim), P's initial lease
 #      length in the params, the model identity in EngineCompat.
-PROTOCOL_VERSION = 3
+#   4: Extend is answered with Extended (which requests P still holds, and for how long);
+#      Granted.lease_seconds is what P holds the lease from the claim on (it may be less than
+#      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold.
+PROTOCOL_VERSION = 4
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -198,13 +201,23 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):
     """D -> P, periodically: D still intends to read these requests (they wait for admission
-    on D); P extends their leases so a busy D does not lose them."""
+    on D, or their READ is in flight); P extends their leases and answers ``Extended``."""
 
     request_ids: list[str]
 
 
+class Extended(msgspec.Struct, tag="extended", frozen=True):
+    """P -> D, the answer to ``Extend``: ``held`` maps each request P still holds to the seconds
+    it keeps it from receiving the Extend; a request left out is no longer held (expired,
+    ended or unknown), so a READ of it that D has not seen complete cannot be trusted
+    (``core/read_hold.py``)."""
+
+    held: dict[str, float]
+
+
 class Granted(msgspec.Struct, tag="granted", frozen=True):
-    """P -> D: the claim matches a live lease, now valid for ``lease_seconds`` more.
+    """P -> D: the claim matches a live lease, which P now holds ``lease_seconds`` from receiving
+    the claim (D's READ must complete inside that hold or an extension of it).
     ``state_digest`` (optional): SHA-256 of the recurrent-state pages, for D to verify."""
 
     lease_seconds: float
@@ -254,7 +267,7 @@ def decode_read_done(data: bytes) -> ReadDone:
         raise ProtocolError("malformed", f"READ notification {data[:64]!r}: {exc}") from None
 
 
-Message = Hello | Welcome | Release | Claim | Extend | Granted | Pending | Ack | Reject
+Message = Hello | Welcome | Release | Claim | Extend | Extended | Granted | Pending | Ack | Reject
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

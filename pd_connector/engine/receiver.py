@@ -10,6 +10,9 @@
   (``NixlTransport.read_plan``); the notification on its last post tells that P rank this reader
   is done. A P rank this rank reads nothing from (replicated units) is released instead.
 - optional digest check of the recurrent state (equal TP only).
+- the hold: a READ counts only if it completed while P still held the lease, as far as P's
+  grant and its answers to the extensions confirmed (``core/read_hold.py``); P frees a lease
+  at its deadline even under a READ, so one that outlived it fails (``lease_lost``).
 
 Lease keep-alive is not kept here: D's scheduler extends every handoff it depends on, from
 acceptance until this pipeline reports the load ended (``SchedulerHalf._due_extensions``); the
@@ -31,13 +34,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pd_connector.core import shards
+from pd_connector.core import read_hold, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
 from pd_connector.engine.faults import StateCorrupter
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.prefill_engines import PrefillEngines
+from pd_connector.engine.read_in_flight import ReadInFlight
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
 from pd_connector.transport.prefill_calls import ClaimRequest, PrefillCalls
 
@@ -59,17 +63,6 @@ class _Load:
     readers: int
     error: tuple[str, str] | None = None  # (why, kind) of the first failed leg
     started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Read:
-    xfer: ChunkedRead
-    rank: int
-    read_started: float
-    descriptors: int
-    digest: bytes
-    nbytes: int
-    warned: bool = False  # read_slow reported
 
 
 class Receiver:
@@ -105,7 +98,9 @@ class Receiver:
         self._loads: dict[str, _Load] = {}
         self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
         self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
-        self._reads: dict[tuple[str, int], _Read] = {}
+        # Extensions in flight: (answer, sent, P host, P base port, P rank).
+        self._extensions: list[tuple[Future, float, str, int, int]] = []
+        self._reads: dict[tuple[str, int], ReadInFlight] = {}
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
 
@@ -159,7 +154,9 @@ class Receiver:
         for rank in ranks:
             ids = [rid for rid in task.request_ids if (rid, rank) not in unclaimed]
             if ids:
-                self._executor.submit(self._calls.extend, task.host, task.port + rank, ids)
+                sent = time.monotonic()  # before submitting: P may answer before submit returns
+                future = self._executor.submit(self._calls.extend, task.host, task.port + rank, ids)
+                self._extensions.append((future, sent, task.host, task.port, rank))
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -168,6 +165,7 @@ class Receiver:
         self._peers.finish_connects()
         self._start_claims()
         self._start_reads()
+        self._take_extension_answers()
         self._poll_reads()
 
     def take_results(self) -> tuple[set[str], set[str]]:
@@ -249,9 +247,10 @@ class Receiver:
             if load.error is not None:
                 self._end_leg(leg, release=True)
                 continue
-            self._post(leg, load, engine.sources.get(rank), granted.state_digest)
+            hold = read_hold.held_until(sent, granted.lease_seconds)
+            self._post(leg, load, engine.sources.get(rank), granted.state_digest, hold)
 
-    def _post(self, leg: tuple[str, int], load: _Load, peer: str | None, digest: bytes) -> None:
+    def _post(self, leg: tuple[str, int], load: _Load, peer: str | None, digest: bytes, hold: float) -> None:
         if peer is None:
             self._end_leg(leg, release=True, reason="nothing to read from this rank")
             return
@@ -268,7 +267,27 @@ class Receiver:
             return
         if load.task.prefill.tp_size != self.tp_size:
             digest = b""  # P's pages hold another shard than ours
-        self._reads[leg] = _Read(xfer, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes)
+        prefill = load.task.prefill
+        self._reads[leg] = ReadInFlight(
+            xfer, prefill, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes, hold
+        )
+
+    def _take_extension_answers(self) -> None:
+        """Move each READ's hold forward by the extensions P confirmed. A request P left out
+        is no longer held there: its hold stays where it was, so the READ counts only if it
+        completes before that (P may also have ended it on this READ's own notification)."""
+        still = []
+        for entry in self._extensions:
+            future, sent, host, port, rank = entry
+            if not future.done():
+                still.append(entry)
+                continue
+            reply = None if future.exception() is not None else future.result()
+            if reply is None:
+                continue
+            for read in self._reads.values():
+                read.confirm_hold(host, port, rank, sent, reply.held)
+        self._extensions = still
 
     def _poll_reads(self) -> None:
         # At most one slice posted per call where the post copies (DRAM without worker
@@ -282,11 +301,11 @@ class Receiver:
             now = time.monotonic()
             budget -= read.xfer.next - posted
             if now - called > SLOW_NIXL_CALL_S:
-                self._report_slow_call(leg, read, now - called)
+                read.report_slow_call(leg[0], now - called, self.recorder, self.settings.nixl_num_threads)
             if state == PENDING:
                 if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
                     read.warned = True
-                    self._report_slow_read(leg, read, now - read.read_started)
+                    read.report_slow_read(leg[0], now - read.read_started, self.recorder, self.settings.nixl_num_threads)
                 continue
             del self._reads[leg]
             load = self._loads[leg[0]]
@@ -296,6 +315,13 @@ class Receiver:
             if state == FAILED:
                 # No completion notification will come: release.
                 self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)
+                continue
+            if not read_hold.read_was_held(read.hold, now):
+                why = (
+                    f"the READ completed {now - read.hold:.1f} s after the end of the lease P "
+                    "confirmed: P may have freed and reused those blocks"
+                )
+                self._end_leg(leg, (why, "lease_lost"))
                 continue
             if read.digest and self._state_digest is not None and self._state_digest(own_blocks) != read.digest:
                 self._end_leg(leg, ("the recurrent state read differs from P's digest", "digest"))
@@ -335,37 +361,6 @@ class Receiver:
         """Fail a request before any leg started, and let every P rank free it."""
         self._fail(request_id, why, kind)
         self.release_all(ReleaseTask(task.prefill, f"decode refused the load ({kind}): {why}"))
-
-    def _report_slow_call(self, leg, read: _Read, seconds: float) -> None:
-        # The engine thread itself was held: every request on this instance waited.
-        self.recorder.count("nixl_call_slow")
-        logger.warning(
-            "pd_connector: a NIXL call for %s (READ from rank %d of %s, slice %d of %d) held the "
-            "engine thread for %.2f s (nixl_num_threads=%d; see docs/operations.md, \"Slow READs\")",
-            leg[0],
-            read.rank,
-            self._loads[leg[0]].task.prefill.engine_id,
-            read.xfer.next,
-            read.xfer.slices,
-            seconds,
-            self.settings.nixl_num_threads,
-        )
-
-    def _report_slow_read(self, leg, read: _Read, seconds: float) -> None:
-        self.recorder.count("read_slow")
-        logger.warning(
-            "pd_connector: READ for %s from rank %d of %s still in flight after %.1f s (%d "
-            "descriptors, %d of %d slices posted, nixl_num_threads=%d); still waiting, a posted "
-            "READ cannot be cancelled safely (see docs/operations.md, \"Slow READs\")",
-            leg[0],
-            read.rank,
-            self._loads[leg[0]].task.prefill.engine_id,
-            seconds,
-            read.descriptors,
-            read.xfer.next,
-            read.xfer.slices,
-            self.settings.nixl_num_threads,
-        )
 
     def _fail(self, request_id: str, why: str, kind: str) -> None:
         self.recorder.count(f"load_failed:{kind}")

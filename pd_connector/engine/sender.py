@@ -24,6 +24,7 @@ from pd_connector.core.protocol import (
     Claim,
     EngineCompat,
     Extend,
+    Extended,
     Granted,
     Hello,
     Message,
@@ -59,12 +60,13 @@ class Sender:
         self._state_digest = state_digest
         self._wake = wake
         # Readers still due once every granted reader is done get the time a claim needs.
-        self._leases = LeaseTable(claim_seconds=settings.claim_deadline_seconds)
+        self._leases = LeaseTable(claim_seconds=settings.claim_deadline_seconds, max_hold=settings.max_hold_seconds)
         self._lock = threading.Lock()
         # Written under _lock: the side-channel thread counts too.
         self.recorder = Recorder()
         self._rejected_seen: dict[str, int] = {}
         self._stalls_seen = 0
+        self._expired_reading_seen = 0
         port = settings.side_channel_port + welcome.tp_rank
         self.server = side_channel.SideChannelServer(settings.side_channel_host, port, self.serve, settings.secret)
         logger.info(
@@ -79,10 +81,11 @@ class Sender:
     # -- engine thread ---------------------------------------------------------------------
 
     def grant(self, leases: dict[str, SendLease]) -> None:
+        now = time.monotonic()
         with self._lock:
             for request_id, lease in leases.items():
                 self._leases.grant(
-                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests
+                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests, now
                 )
         self.server.kick()  # claims that overtook these leases are answered now
 
@@ -110,6 +113,11 @@ class Sender:
                     "its read; freeing its blocks",
                     request_id,
                 )
+            under_read = self._leases.expired_reading_total - self._expired_reading_seen
+            if under_read:
+                # D fails such a READ when it completes (it lies outside the hold P confirmed).
+                self.recorder.count("lease_expired_while_reading", under_read)
+                self._expired_reading_seen = self._leases.expired_reading_total
             return self._leases.take_finished()
 
     def take_stats(self, into: Recorder) -> None:
@@ -152,10 +160,12 @@ class Sender:
             return self._serve_claim(message)
         now = time.monotonic()
         if isinstance(message, Extend):
+            held = {}
             with self._lock:
                 for request_id in message.request_ids:
-                    self._leases.extend(request_id, now, now + self.settings.lease_seconds)
-            return Ack()
+                    if self._leases.extend(request_id, now, now + self.settings.lease_seconds):
+                        held[request_id] = self._leases.held_seconds(request_id, now)
+            return Extended(held=held)
         if isinstance(message, Release):
             if message.reason:
                 logger.info(
@@ -216,6 +226,7 @@ class Sender:
                 claim.reader,
                 claim.prompt_digest,
             )
+            held = self._leases.held_seconds(claim.request_id, now)
         if outcome == UNKNOWN:
             return Pending(reason=why)
         if outcome != GRANTED:
@@ -225,5 +236,5 @@ class Sender:
             return Reject(reason=why)
         digest = self._state_digest(claim.block_ids) if self._state_digest is not None else b""
         return Granted(
-            lease_seconds=self.settings.lease_seconds, state_digest=digest, agent_name=self._welcome.agent_name
+            lease_seconds=held, state_digest=digest, agent_name=self._welcome.agent_name
         )

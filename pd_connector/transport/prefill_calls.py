@@ -16,6 +16,7 @@ from pd_connector.core.protocol import (
     Claim,
     EngineCompat,
     Extend,
+    Extended,
     Granted,
     Hello,
     Pending,
@@ -131,11 +132,17 @@ class PrefillCalls:
             # P frees the blocks at lease expiry anyway.
             logger.info("pd_connector: release of %s not delivered: %s", prefill.request_id, exc)
 
-    def extend(self, host: str, port: int, request_ids: list[str]) -> None:
+    def extend(self, host: str, port: int, request_ids: list[str]) -> Extended | None:
+        """P's answer (which requests it still holds, and how long), or None if none came."""
         try:
-            self._call(host, port, Extend(request_ids=request_ids))
+            reply = self._call(host, port, Extend(request_ids=request_ids))
         except side_channel.SideChannelError as exc:
             logger.info("pd_connector: lease extension not delivered to %s:%d: %s", host, port, exc)
+            return None
+        if not isinstance(reply, Extended):
+            logger.info("pd_connector: %s:%d answered a lease extension with %s", host, port, type(reply).__name__)
+            return None
+        return reply
 
     def close(self) -> None:
         self._client.close()

@@ -21,6 +21,7 @@ from pd_connector.core.protocol import (
     Ack,
     Claim,
     EngineCompat,
+    Extended,
     Granted,
     Hello,
     ReadDone,
@@ -369,7 +370,11 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
     server = side_channel.SideChannelServer("127.0.0.1", free_port, serve)
     receiver = Receiver(d.transport, ConnectorSettings(lease_seconds=0.3), "d", COMPAT, None)
     extended: list[float] = []
-    monkeypatch.setattr(receiver._calls, "extend", lambda *call: extended.append(time.monotonic()))
+    def extend(host, port, ids):
+        extended.append(time.monotonic())
+        return Extended(held={rid: 0.3 for rid in ids})
+
+    monkeypatch.setattr(receiver._calls, "extend", extend)
     real_state = d.transport.state
     held: list[float] = []
 

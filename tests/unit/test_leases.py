@@ -582,3 +582,27 @@ def test_a_repeated_early_release_is_remembered_from_the_latest_one():
     table.expire(301.0)
     table.grant("r0", 301.0, 0, [])
     assert not table.holds("r0") and table.take_finished() == {"r0"}
+
+
+# --- the bounded hold (no lease outlives max_hold after its grant) -----------------------------
+
+
+def test_no_claim_or_extension_keeps_a_lease_past_max_hold():
+    t = LeaseTable(max_hold=10.0)
+    t.grant("a", deadline=3.0, offset=4, block_ids=[[1]], now=0.0)
+    assert t.claim("a", 4, [[1]], now=1.0, extend_to=8.0, reader="d#0")[0] == GRANTED
+    assert t.held_seconds("a", 1.0) == 7.0
+    for now in (5.0, 8.0, 9.5):
+        assert t.extend("a", now, now + 5.0)
+    assert t.held_seconds("a", 9.5) == 0.5  # capped at 0 + 10, not 14.5
+    assert t.expire(10.0) == ["a"]
+    assert t.expired_reading_total == 1  # freed under the granted, unfinished READ
+    assert t.held_seconds("a", 10.0) == 0.0 and not t.extend("a", 10.0, 15.0)
+
+
+def test_an_expiry_after_every_reader_completed_is_not_counted_as_under_a_read():
+    t = LeaseTable()
+    t.grant("a", deadline=3.0, offset=4, block_ids=[[1]], requests=2, now=0.0)
+    t.claim("a", 4, [[1]], now=1.0, extend_to=2.0, reader="d#0")
+    t.complete("a", 1.5, reader="d#0")
+    assert t.expire(5.0) == ["a"] and t.expired_reading_total == 0

@@ -24,6 +24,7 @@ from pd_connector.core.protocol import (
     EngineCompat,
     Envelope,
     Extend,
+    Extended,
     Granted,
     GroupDesc,
     Hello,
@@ -93,6 +94,7 @@ messages = st.one_of(
         block_ids=st.lists(st.lists(st.integers(1, MAX_BLOCK_ID), max_size=4), max_size=3),
     ),
     st.builds(Extend, request_ids=st.lists(names, max_size=5)),
+    st.builds(Extended, held=st.dictionaries(names, st.floats(allow_nan=False), max_size=5)),
     st.builds(
         Granted,
         lease_seconds=st.floats(allow_nan=False),
@@ -107,7 +109,7 @@ messages = st.one_of(
 secrets = st.binary(min_size=1, max_size=48)
 
 
-COVERED_MESSAGES = {Hello, Welcome, Release, Claim, Extend, Granted, Pending, Ack, Reject}
+COVERED_MESSAGES = {Hello, Welcome, Release, Claim, Extend, Extended, Granted, Pending, Ack, Reject}
 
 
 def test_strategies_cover_every_message_type():

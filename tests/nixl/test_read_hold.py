@@ -1,0 +1,173 @@
+"""A READ that outlives its lease: P frees the blocks at the deadline even under the READ (its
+hold stays bounded), another request reuses them, and D must fail the load (vLLM recomputes)
+instead of decoding on the other request's KV. Real NIXL (UCX over DRAM), the production
+Sender (P's lease table and side channel) and Receiver (D), sliced READs.
+
+Two ways a READ outlives its lease: D's engine paused between two slices (no extension is sent
+and no slice posted), and the link down under the READ (the slice in flight does not complete
+and D's extensions are not delivered). Each is run with D's guard (``core/read_hold.py``) and,
+as a negative control, without it: then D reports the load finished with the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pd_connector.core import read_hold
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.params import PrefillRef
+from pd_connector.core.protocol import Welcome
+from pd_connector.engine.metadata import ExtendTask, RecvTask, SendLease
+from pd_connector.engine.receiver import Receiver
+from pd_connector.engine.sender import Sender
+from pd_connector.transport.nixl import PENDING
+
+from test_chunked_read import COMPAT
+from test_transport import MAMBA_LAYERS, ATTN_LAYERS, TIMEOUT_S, expected_after, make_engine
+
+pytestmark = pytest.mark.nixl
+
+LEASE_S = 0.6
+PAIRS = [[(1, 3), (7, 9), (4, 5)], [(3, 11)]]  # (P block, D block) per group
+
+
+def reuse_p_blocks(p) -> None:
+    """Another request's prefill writes P's freed blocks."""
+    for group, names in enumerate((ATTN_LAYERS, MAMBA_LAYERS)):
+        for p_block, _ in PAIRS[group]:
+            for name in names:
+                page = p.page(name, p_block)
+                page[:] = 255 - page
+
+
+def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bool, Sender, Receiver]:
+    """Run one handoff whose READ outlives its lease; return (D finished, D failed, D's bytes
+    equal P's original ones, the Sender, the Receiver)."""
+    p = make_engine("layer_major_dense", 40, seed=11)
+    d = make_engine("layer_major_dense", 56, seed=None)
+    settings = ConnectorSettings(
+        side_channel_host="127.0.0.1", side_channel_port=port, lease_seconds=LEASE_S, claim_deadline_seconds=LEASE_S
+    )
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    receiver = Receiver(d.transport, settings, "d", COMPAT, None)
+    receiver._chunk_bytes = 8192  # 4 KiB pages: several slices per READ
+    want, _ = expected_after(d, p, PAIRS)
+    try:
+        sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, [[s for s, _ in g] for g in PAIRS])})
+        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not receiver._reads:  # connect, claim, first slice
+            receiver.advance()
+            assert time.monotonic() < deadline and not receiver.failed, receiver.failed
+            time.sleep(0.002)
+        read = next(iter(receiver._reads.values()))
+        freed: set[str] = set()
+        if way == "d_paused":
+            # D's engine thread stops: no slice posted, no extension sent, while P frees.
+            while "P-r1" not in freed:
+                freed |= sender.collect(p.transport.take_notifications())
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        else:
+            # The link is down: the slice in flight does not complete and D's extensions are
+            # not delivered; D keeps stepping and asking.
+            real_state = d.transport.state
+            d.transport.state = lambda handle: PENDING
+            receiver._calls.extend = lambda *call: None
+            while "P-r1" not in freed:
+                receiver.advance()
+                receiver.extend(ExtendTask("127.0.0.1", port, 1, ["P-r1"]))
+                freed |= sender.collect(p.transport.take_notifications())
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            d.transport.state = real_state
+        assert read.xfer.next < read.xfer.slices, "test bug: every slice was posted before P freed"
+        reuse_p_blocks(p)
+        finished: set[str] = set()
+        failed: dict[str, str] = {}
+        while not finished and not failed:
+            receiver.advance()
+            failed = dict(receiver.failed)
+            finished = receiver.take_results()[0]
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        return finished, failed, bool(np.array_equal(d.mem, want)), sender, receiver
+    finally:
+        receiver.close()
+        sender.close()
+        d.transport.close()
+        p.transport.close()
+
+
+def check_refused(way: str, port: int) -> None:
+    finished, failed, _, sender, receiver = outlive_the_lease(way, port)
+    assert not finished, "D decoded on blocks P had freed and reused"
+    assert "after the end of the lease P confirmed" in failed["r1"]
+    assert receiver.recorder.totals["load_failed:lease_lost"] == 1
+    assert sender.recorder.totals["lease_expired_while_reading"] == 1
+
+
+@pytest.mark.parametrize("way", ["d_paused", "link_down"])
+def test_a_read_that_outlives_its_lease_fails_instead_of_loading_reused_blocks(way, free_port):
+    check_refused(way, free_port)
+
+
+@pytest.mark.parametrize("way", ["d_paused", "link_down"])
+def test_without_the_hold_check_the_outliving_read_loads_another_requests_bytes(way, free_port, monkeypatch):
+    """Negative control: with D's guard switched off the same READ is reported loaded, and
+    D's pages then hold bytes of the request that reused P's blocks."""
+    monkeypatch.setattr(read_hold, "read_was_held", lambda hold, completed_at: True)
+    finished, failed, same_bytes, _, _ = outlive_the_lease(way, free_port)
+    assert finished == {"r1"} and not failed and not same_bytes
+
+
+def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
+    """The hold moves with every extension P confirms: a READ in flight for several leases,
+    kept alive by D's extensions, loads (and P never expires it)."""
+    p = make_engine("layer_major_dense", 40, seed=12)
+    d = make_engine("layer_major_dense", 56, seed=None)
+    settings = ConnectorSettings(
+        side_channel_host="127.0.0.1", side_channel_port=free_port, lease_seconds=LEASE_S,
+        claim_deadline_seconds=LEASE_S,
+    )
+    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    receiver = Receiver(d.transport, settings, "d", COMPAT, None)
+    want, _ = expected_after(d, p, PAIRS)
+    real_state = d.transport.state
+    first_poll: list[float] = []
+
+    def slow_state(handle):
+        first_poll.append(time.monotonic())
+        return PENDING if first_poll[-1] < first_poll[0] + 3 * LEASE_S else real_state(handle)
+
+    try:
+        sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, [[s for s, _ in g] for g in PAIRS])})
+        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
+        d.transport.state = slow_state
+        deadline = time.monotonic() + TIMEOUT_S
+        freed: set[str] = set()
+        finished: set[str] = set()
+        last_extend = 0.0
+        while not finished:
+            receiver.advance()
+            if time.monotonic() - last_extend > LEASE_S / 3:
+                receiver.extend(ExtendTask("127.0.0.1", free_port, 1, ["P-r1"]))
+                last_extend = time.monotonic()
+            finished, failed = receiver.take_results()
+            assert not failed, receiver.failed
+            freed |= sender.collect(p.transport.take_notifications())
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert np.array_equal(d.mem, want)
+        assert sender.recorder.totals["lease_expired"] == 0
+    finally:
+        receiver.close()
+        sender.close()
+        d.transport.close()
+        p.transport.close()
