@@ -7,8 +7,9 @@ forwards the ``kv_transfer_params`` P returns to D untouched. Installed in its o
 ``scripts/setup_router_venv.sh`` (``make venv`` / ``scripts/setup_venv.sh`` run it).
 
 The baseline, P1 and D1 are the session's llama stack, so its earlier tests' prompts may sit in
-their prefix caches: the prompts here are drawn with seeds no other test uses (a D that holds
-the first R tokens of a prompt itself loads nothing from P, and would not count a handoff).
+their prefix caches: the prompts here are drawn with seeds no other test uses (a D whose own
+prefix cache holds a prompt's first R tokens loads nothing from P: scheduler.py,
+get_num_new_matched_tokens).
 """
 
 from __future__ import annotations
