@@ -9,7 +9,8 @@ forwards the ``kv_transfer_params`` P returns to D untouched. Installed in its o
 The baseline, P1 and D1 are the session's llama stack, so its earlier tests' prompts may sit in
 their prefix caches: the prompts here are drawn with seeds no other test uses (a D whose own
 prefix cache holds a prompt's first R tokens loads nothing from P: scheduler.py,
-get_num_new_matched_tokens).
+get_num_new_matched_tokens). The chat prompt is test_pd_vs_aggregated's: D1 meets it cached as
+it did before on the chat test's second round.
 """
 
 from __future__ import annotations
