@@ -7,6 +7,7 @@ closed right after its last test, not at the end of the session: about 3 GiB per
 later modules start their own."""
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ SHARED = ("stack", "spec_instances")
 # Modules that leave their group's servers unusable (a P killed): last within their group.
 DESTRUCTIVE_MODULES = ("test_restart.py",)
 
-_closers: dict[tuple, object] = {}
+_closers: dict[tuple, Callable[[], None]] = {}
 _last_user: dict[str, list[tuple]] = {}
 
 
@@ -86,7 +87,7 @@ def pytest_runtest_teardown(item, nextitem):
                 close()
 
 
-def _shared(key: tuple, resource, close):
+def _shared(key: tuple, resource, close: Callable[[], None]):
     """Register a shared group's closer (idempotent: the fixture's own teardown calls it too)."""
     _closers[key] = close
     return resource
