@@ -7,7 +7,7 @@ STAMP033 := $(VENV033)/.pd-installed
 # What runs against vLLM 0.33: the in-process Scheduler suite and the unit tests that import vLLM.
 TESTS033 := tests/vllm tests/unit/test_leases.py
 
-.PHONY: demo test unit test-vllm033 venv clean-venv
+.PHONY: demo test unit test-vllm033 venv venv033 clean-venv
 
 $(STAMP): requirements/cpu.txt pyproject.toml scripts/setup_venv.sh scripts/setup_router_venv.sh
 	bash scripts/setup_venv.sh
@@ -19,12 +19,15 @@ $(STAMP033): requirements/vllm033.txt scripts/setup_venv_vllm033.sh
 
 venv: $(STAMP)
 
+venv033: $(STAMP033)
+
 # A P/D run on CPU with a tiny hybrid model, checked token by token against aggregated serving.
 demo: $(STAMP)
 	$(VENV)/bin/pd-connector demo
 
 # Everything on vLLM CPU 0.32 (pure core, in-process vLLM Scheduler, real NIXL, end-to-end vLLM
-# CPU servers), then the in-process Scheduler suite on vLLM 0.33.
+# CPU servers), then the in-process Scheduler suite on vLLM 0.33. Each run ends with its wall
+# time per test module (tests/conftest.py).
 test: $(STAMP) $(STAMP033)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
 	$(MAKE) --no-print-directory test-vllm033

@@ -1,6 +1,6 @@
-"""P restarted or killed between handoffs. Collected after the other e2e modules: the restart
-test leaves P running, the kill test is the last test on its stack (the stack's P stays down
-afterwards)."""
+"""P restarted or killed between handoffs. Run last on its stack (conftest.py,
+DESTRUCTIVE_MODULES): the restart test leaves P running, the kill test is the last test on its
+stack (the stack's P stays down afterwards)."""
 
 import time
 

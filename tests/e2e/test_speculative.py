@@ -1,7 +1,8 @@
 """Speculative decoding across the handoff on vLLM CPU: a Qwen3-Next hybrid (GDN + attention)
 with native MTP, P x D over {off, MTP 1, 2, 3 tokens}.
 
-Four kv_both instances, one per configuration (spec_matrix.py): every instance is the aggregated
+Four kv_both instances, one per configuration (spec_matrix.py; started once per session and
+shared with test_vllm_router_min_recompute.py, conftest.py): every instance is the aggregated
 reference for its own configuration, and any two form a P/D pair. GDN runs only in bf16 on CPU,
 so outputs are compared with the margin-aware oracle (see TIE_MARGIN) and every oracle has a
 negative control. Prefix caching is off: hybrid + speculative decoding crashes in align mode on
@@ -18,37 +19,26 @@ from pd_connector.dev.testing.cpu_matrix import boundary_lengths, random_prompt
 from pd_connector.dev.testing.spec_matrix import (
     HONOURED,
     LAYOUT_EVENTS,
+    MATRIX_SETUPS,
     REFUSED_LAYOUT,
     REFUSED_OFFSET,
-    SPEC_EXTRA_CONFIG,
     caught_desyncs,
     check_bf16 as check,
-    InstanceSpec,
     expected_outcome,
     handoff,
-    make_instances,
-    running,
 )
-from pd_connector.dev.testing.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
 
-SETUP_NAMES = ("off", "mtp1", "mtp2", "mtp3")
+SETUP_NAMES = MATRIX_SETUPS
 
 
 @pytest.fixture(scope="module")
-def instances(models_root, artifacts):
-    spec = InstanceSpec(
-        model=str(build_model("qwen3_next_mtp", models_root)),
-        log_dir=artifacts / "speculative",
-        extra_config=SPEC_EXTRA_CONFIG,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
-    )
-    insts = make_instances(spec, SETUP_NAMES)
-    with running(insts):
-        yield insts
+def instances(spec_instances):
+    """The session's kv_both instances, one per configuration of SETUP_NAMES (conftest.py)."""
+    return spec_instances
 
 
 class _References:

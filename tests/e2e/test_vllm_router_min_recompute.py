@@ -43,33 +43,28 @@ LENGTHS = (33, 129)
 
 
 @pytest.fixture(scope="module")
-def cell(models_root, artifacts):
-    """Three kv_both instances (P with the floor, P without, D) and a vllm-router per P, each
-    routing to the same D."""
+def cell(spec_instances, models_root, artifacts):
+    """P with the floor (started here), P without it and D (the session's MTP 1 and MTP 3
+    instances, conftest.py: the same configuration), and a vllm-router per P, each routing to
+    the same D."""
     spec = InstanceSpec(model=str(build_model("qwen3_next_mtp", models_root)), log_dir=artifacts / "router_skew")
-    binds = iter(cpu_binds(3))
-
-    def instance(name, setup, **extra) -> SpecInstance:
-        bind, bind_env = next(binds)
-        kv = kv_transfer_config("kv_both", free_port(), "cpu", **SPEC_EXTRA_CONFIG, **extra)
-        server = VllmServer(spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
-                            extra_args=[*spec.server_args, *setup.server_args(), "--kv-transfer-config", kv],
-                            env={**source_checkout_env(), **bind_env}, omp_threads_bind=bind,
-                            log_path=spec.log_dir / f"{name}.log")
-        return SpecInstance(setup, server)
-
-    p_floor = instance("p_floor", P_SETUP, min_recompute_tokens=FLOOR)
-    p_plain = instance("p_plain", P_SETUP)
-    d = instance("d", D_SETUP)
-    servers = [i.server for i in (p_floor, p_plain, d)]
-    start_many(servers, timeout=900)
+    p_plain, d = spec_instances[P_SETUP.name], spec_instances[D_SETUP.name]
+    assert (p_plain.setup, d.setup) == (P_SETUP, D_SETUP)
+    # Next to the running instances: the binding a group of all of them would give the last one.
+    bind, bind_env = cpu_binds(len(spec_instances) + 1)[-1]
+    kv = kv_transfer_config("kv_both", free_port(), "cpu", **SPEC_EXTRA_CONFIG, min_recompute_tokens=FLOOR)
+    p_floor = SpecInstance(P_SETUP, VllmServer(
+        spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
+        extra_args=[*spec.server_args, *P_SETUP.server_args(), "--kv-transfer-config", kv],
+        env={**source_checkout_env(), **bind_env}, omp_threads_bind=bind, log_path=spec.log_dir / "p_floor.log",
+    ))  # fmt: skip
+    start_many([p_floor.server], timeout=900)
     try:
         with VllmRouter([p_floor.server.base_url], [d.server.base_url], log_path=spec.log_dir / "router-floor.log") as floor, \
              VllmRouter([p_plain.server.base_url], [d.server.base_url], log_path=spec.log_dir / "router-plain.log") as plain:
             yield SimpleNamespace(d=d, routers={"floor": floor, "plain": plain})
     finally:
-        for s in servers:
-            s.stop()
+        p_floor.server.stop()
 
 
 def external_tokens(inst: SpecInstance) -> float:

@@ -27,7 +27,7 @@ from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, Verdict, compare, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_port
-from pd_connector.dev.testing.servers import VllmServer, start_many
+from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
 from pd_connector.dev.testing.speculative_models import MTP_MODULES
 
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
@@ -102,6 +102,8 @@ SETUPS: dict[str, SpecSetup] = {
         _mtp(3),
     )
 }
+# The P x D matrix of tests/e2e/test_speculative.py: one kv_both instance each, for the session.
+MATRIX_SETUPS = ("off", "mtp1", "mtp2", "mtp3")
 
 
 def expected_outcome(
@@ -216,7 +218,7 @@ def make_instances(
     binds = cpu_binds(len(setups), first_core)
     for (bind, bind_env), setup in zip(binds, setups):
         setup = SETUPS[setup] if isinstance(setup, str) else setup
-        env = {**bind_env, **spec.env}
+        env = {**source_checkout_env(), **bind_env, **spec.env}
         if spec.kv_connector != "PDConnector":
             # NixlConnector's side channel port comes from the environment (default 5600).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
