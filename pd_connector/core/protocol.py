@@ -19,7 +19,9 @@ import msgspec
 #      (port + rank), rank and shard segments in Welcome, readers in Claim/Release/ReadDone.
 #   3: the prompt fingerprint (pd_prompt_digest in the params and the claim), P's initial lease
 #      length in the params, the model identity in EngineCompat.
-PROTOCOL_VERSION = 3
+#   4: a KV head's segment is the head's own bytes (never a share of a padded page), a
+#      "replicated" segment for pages every rank holds whole, and LayerRegion.reason.
+PROTOCOL_VERSION = 4
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -77,6 +79,8 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     # This rank's shard of the layer, for peers of another TP size (empty: not described, so
     # only an equal-TP peer can read it).
     segments: tuple[Segment, ...] = ()
+    # Why ``segments`` is empty (named when a peer of another TP size is refused).
+    reason: str = ""
 
 
 class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
