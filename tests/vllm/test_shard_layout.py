@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pd_connector.core import shards
-from pd_connector.dev.testing.vllm_pages import LAYERS, Layers, copy_planned
+from pd_connector.dev.testing.vllm_pages import LAYERS, Layers, copy_planned, plain_attention
 
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 FullAttentionSpec, MLAAttentionSpec, MambaSpec = vllm_kv.FullAttentionSpec, vllm_kv.MLAAttentionSpec, vllm_kv.MambaSpec
@@ -27,14 +27,7 @@ HEAD_KV_BYTES = 2 * HEAD * 2 * BLOCK  # one head's K and V in a page (bf16)
 
 
 def plain(pad_per_head: int = 0, **kw):
-    """vLLM's plain attention spec at a rank holding ``heads``; ``pad_per_head`` pads the page
-    (``page_size_padded``) by that much per head, so P's and D's pages pad alike per head."""
-
-    def spec_of(tp, heads):
-        padded = heads * (HEAD_KV_BYTES + pad_per_head) if pad_per_head else None
-        return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=torch.bfloat16, page_size_padded=padded, **kw)
-
-    return spec_of
+    return plain_attention(HEAD, BLOCK, pad_per_head, **kw)
 
 
 def check_pair(model: Layers, p: int, d: int, tamper=None) -> None:

@@ -46,6 +46,7 @@ class Layers:
     replicated: bool = False  # every rank holds the same page (MLA)
     k_then_v_slots: bool = False  # 2H slots: all heads' K, then all heads' V (FlashInfer NVFP4)
     arch: Any = None  # a real ModelArchitectureConfig for heterogeneous checkpoints
+    nixl: bool = False  # register each rank with its own NIXL agent (``Rank.transport``)
 
     def total(self, layer: str) -> int:
         return self.heads_of.get(layer, self.kv_heads)
@@ -59,8 +60,25 @@ class Layers:
             return 2 * vllm_head(total, tp, rank, slot % per) + slot // per
         return vllm_head(total, tp, rank, slot)
 
-    def rank(self, tp: int, r: int, seed: int | None, num_blocks: int = 12, transport: bool = False) -> "Rank":
-        return Rank(self, tp, r, seed, num_blocks, transport)
+    def rank(self, tp: int, r: int, seed: int | None, num_blocks: int = 12) -> "Rank":
+        return Rank(self, tp, r, seed, num_blocks, self.nixl)
+
+
+def plain_attention(head_size: int = 8, block_size: int = 4, pad_per_head: int = 0, **kw) -> Callable[[int, int], Any]:
+    """``spec_of`` for vLLM's plain attention (bf16 ``FullAttentionSpec``); ``pad_per_head``
+    pads the page (``page_size_padded``) by that much per head on the rank, so P's and D's pages
+    pad alike per head, the case no size check tells from an unpadded page."""
+
+    def spec_of(tp: int, heads: int) -> Any:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        padded = heads * (2 * head_size * 2 * block_size + pad_per_head) if pad_per_head else None
+        return FullAttentionSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16,
+            page_size_padded=padded, **kw,
+        )
+
+    return spec_of
 
 
 def model_stub(layers: Layers) -> Any:
