@@ -135,6 +135,24 @@ def test_padded_page_p_tp1_d_tp2_reads_each_d_rank_its_own_heads_over_nixl(p, d)
     assert all(f == {"r1", "r2"} for f in freed)
 
 
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2), (4, 2)])
+def test_mla_latent_across_tp_is_read_from_one_p_rank_and_every_other_p_rank_released(p, d):
+    """Issue #25, 7: MLA's latent (vLLM's max_tp_shards == 1: every rank holds it whole) is read
+    from the first P rank each D rank pairs with; the P ranks it reads nothing from still free
+    the request (the receiver's release), so every P rank's lease ends."""
+    pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from pd_connector.dev.testing.vllm_pages import Layers
+
+    def mla(tp, heads):  # as MLAAttention.get_kv_cache_spec builds it
+        return MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=24, dtype=torch.bfloat16, max_tp_shards=1)
+
+    freed = run_handoff(Layers(1, mla, replicated=True, nixl=True), p, d, free_ports(p), {"r1": {0: REQUESTS["r1"][0]}})
+    assert all(f == {"r1"} for f in freed)
+
+
 def test_head_slots_that_are_not_heads_refuse_the_pair_at_the_handshake_naming_layer_and_reason(caplog):
     """Issue #25, 2: a page of 2H slots (FlashInfer NVFP4: all K, then all V) is not sharded by
     head; D refuses the P engine at the handshake and the load fails with the layer and why."""

@@ -130,7 +130,7 @@ def flashinfer_nvfp4(spec):
 
 
 def nvfp4_slots(tp, heads):
-    return flashinfer_nvfp4(FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=torch.bfloat16))
+    return flashinfer_nvfp4(plain()(tp, heads))
 
 
 def test_k_then_v_head_slots_are_refused_at_unequal_tp_not_read_as_heads():
@@ -161,12 +161,19 @@ def test_k_then_v_slots_oracle_catches_a_page_read_as_per_head():
     assert np.flatnonzero(mine.mem() != mine.expected(BLOCKS, before)).size
 
 
+def attention(**kw):
+    return lambda tp, heads: FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD, dtype=torch.bfloat16, **kw)
+
+
 @pytest.mark.parametrize(
     "spec_of, reason",
     [
-        (lambda tp, h: FullAttentionSpec(block_size=BLOCK, num_kv_heads=h, head_size=HEAD, dtype=torch.bfloat16, state_content_bytes=2 * HEAD * 2 + 8), "state_content_bytes 40"),
-        (lambda tp, h: FullAttentionSpec(block_size=BLOCK, num_kv_heads=h, head_size=HEAD, dtype=torch.bfloat16, tokens_per_state=2), "tokens_per_state 2"),
-        (lambda tp, h: vllm_kv.RSWASpec(block_size=BLOCK, num_kv_heads=h, head_size=HEAD, dtype=torch.bfloat16, rswa_window=8), "RSWASpec"),
+        (attention(state_content_bytes=2 * HEAD * 2 + 8), "state_content_bytes 40"),  # e.g. inline scales
+        (attention(tokens_per_state=2), "tokens_per_state 2"),
+        (
+            lambda tp, h: vllm_kv.RSWASpec(block_size=BLOCK, num_kv_heads=h, head_size=HEAD, dtype=torch.bfloat16, rswa_window=8),
+            "RSWASpec",
+        ),
     ],
     ids=["packed_content", "tokens_per_state", "unknown_spec_class"],
 )
