@@ -21,7 +21,9 @@ import msgspec
 #      length in the params, the model identity in EngineCompat.
 #   4: Extend is answered with Extended (which requests P still holds, and for how long);
 #      Granted.lease_seconds is what P holds the lease from the claim on (it may be less than
-#      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold.
+#      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold. A KV
+#      head's segment is the head's own bytes (never a share of a padded page), a "replicated"
+#      segment for pages every rank holds whole, and LayerRegion.reason.
 PROTOCOL_VERSION = 4
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
@@ -80,6 +82,8 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     # This rank's shard of the layer, for peers of another TP size (empty: not described, so
     # only an equal-TP peer can read it).
     segments: tuple[Segment, ...] = ()
+    # Why ``segments`` is empty (named when a peer of another TP size is refused).
+    reason: str = ""
 
 
 class GroupDesc(msgspec.Struct, frozen=True, array_like=True):

@@ -6,7 +6,11 @@ one row, an SSM head) and where in the page they sit. A unit is identified by it
 global index, so the same unit has the same identity on every rank of P and D whatever their TP
 sizes; a D rank's page is then filled by intersecting its segments with those of the P ranks it
 pairs with (``peer_ranks``). Replicated units (KV heads when TP exceeds the head count, Mamba2's
-single group at TP > 1) are held by several P ranks: each is read from exactly one of them.
+single group at TP > 1, a page every rank holds whole: ``replicated_segments``) are held by
+several P ranks: each is read from exactly one of them, the first in ``peer_ranks`` order.
+
+A layer is described only when its page is a layout this module proves it understands; any
+other gets no segments and a ``reason``, and a peer of another TP size is refused naming it.
 
 Equal TP sizes never come here: D rank r reads P rank r's pages whole (``layout.py``).
 """
@@ -67,10 +71,85 @@ def sharded(total: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     return rank * total // tp, 1
 
 
-def attention_segments(total_heads: int, tp: int, rank: int, head_bytes: int) -> tuple[Segment, ...]:
-    """A head-major attention page (vLLM's LBHNC/HND: heads outermost in a block's page)."""
+def attention_segments(
+    total_heads: int, tp: int, rank: int, head_bytes: int, kernel_blocks: int = 1, kernel_stride: int = 0
+) -> tuple[Segment, ...]:
+    """A head-major attention page: ``kernel_blocks`` blocks ``kernel_stride`` bytes apart (1
+    unless vLLM splits the page into kernel blocks), each this rank's heads back to back from
+    its start, ``head_bytes`` each (vLLM's LBHNC/BLHNC: a head's tokens contiguous)."""
     first, count = sharded(total_heads, tp, rank, "KV heads")
-    return (Segment("kv_head", first, count, 0, head_bytes),)
+    if kernel_blocks == 1:
+        return (Segment("kv_head", first, count, 0, head_bytes),)
+    return tuple(Segment(f"kv_head@{k}", first, count, k * kernel_stride, head_bytes) for k in range(kernel_blocks))
+
+
+class AttentionPage(NamedTuple):
+    """One layer's page as vLLM views it (``[kernel block, head slot, token, content]``, byte
+    strides), next to what its spec says a plain K/V page of that layer holds."""
+
+    page_bytes: int  # the registered page (vLLM's page_size_bytes: padding included)
+    kernel_blocks: int
+    kernel_stride: int
+    slots: int
+    slot_stride: int
+    tokens: int
+    token_stride: int
+    content_bytes: int  # one slot's bytes for one token, contiguous
+    kv_heads: int  # the spec's heads on this rank
+    block_size: int  # the spec's tokens per page
+    kv_bytes: int  # one head's K and V of one token: (head_size + head_size_v) x dtype size
+
+
+def attention_page_segments(page: AttentionPage, total_heads: int, tp: int, rank: int) -> tuple[Segment, ...]:
+    """This rank's KV heads in ``page``, or ``ShardError`` saying which part of the page is not
+    one run per head at the start of each (kernel) block. Padding after the heads is allowed:
+    a head's bytes come from the spec, never from the page size."""
+    if page.slots != page.kv_heads:
+        raise ShardError(f"{page.slots} head slots for {page.kv_heads} KV heads: a slot is not one head")
+    if page.content_bytes != page.kv_bytes:
+        raise ShardError(
+            f"{page.content_bytes} B per head and token, {page.kv_bytes} B of K and V: packed content"
+        )
+    if page.kernel_blocks * page.tokens != page.block_size:
+        raise ShardError(f"{page.kernel_blocks} x {page.tokens} tokens viewed in a {page.block_size}-token page")
+    head_bytes = page.tokens * page.content_bytes
+    if page.token_stride != page.content_bytes or page.slot_stride != head_bytes:
+        raise ShardError(
+            f"token stride {page.token_stride} B, head stride {page.slot_stride} B: a head is not one "
+            f"run of {head_bytes} B"
+        )
+    heads_bytes = page.slots * head_bytes
+    if page.kernel_blocks > 1 and page.kernel_stride < heads_bytes:
+        raise ShardError(f"kernel blocks {page.kernel_stride} B apart overlap {heads_bytes} B of heads")
+    end = (page.kernel_blocks - 1) * page.kernel_stride + heads_bytes
+    if end > page.page_bytes:
+        raise ShardError(f"heads end at {end} B, past the {page.page_bytes} B page")
+    return attention_segments(total_heads, tp, rank, head_bytes, page.kernel_blocks, page.kernel_stride)
+
+
+def layer_kv_heads(per_rank: int, tp: int, candidates: Sequence[int]) -> int:
+    """The layer's total KV-head count: the one of ``candidates`` (what the model config allows
+    for this layer) that gives ``per_rank`` heads at TP ``tp`` under vLLM's rule
+    (``max(1, total // tp)``, total dividing TP or TP dividing it). Several (e.g. a target and a
+    drafter whose heads both replicate at this TP) or none: ``ShardError``."""
+    fits = sorted(
+        {t for t in candidates if t > 0 and max(1, t // tp) == per_rank and (t % tp == 0 or tp % t == 0)}
+    )
+    if len(fits) != 1:
+        raise ShardError(
+            f"{per_rank} KV head(s) on this rank at TP {tp} fit "
+            + (f"several head counts of the model ({fits})" if fits else f"none of the model's ({sorted(set(candidates))})")
+        )
+    return fits[0]
+
+
+REPLICATED = "replicated"
+
+
+def replicated_segments(nbytes: int) -> tuple[Segment, ...]:
+    """A page every rank holds whole and identical (MLA's latent, a ``tp_replicated`` state):
+    one unit of ``nbytes`` that any P rank can supply, read from the first D pairs with."""
+    return (Segment(REPLICATED, 0, 1, 0, nbytes),)
 
 
 def conv_segments(
@@ -188,9 +267,10 @@ def plan_region(local: LayerRegion, remotes: Sequence[tuple[int, LayerRegion]]) 
                 if found:
                     break
             if found is None:
+                why = "".join(f"; prefill rank {r}: {region.reason}" for r, region in remotes if region.reason)
                 raise ShardError(
                     f"{local.name}: no prefill rank holds {seg.unit} unit {start} "
-                    f"(prefill ranks {[r for r, _ in remotes]})"
+                    f"(prefill ranks {[r for r, _ in remotes]}){why}"
                 )
             rank, remote = found
             if remote.unit_bytes != seg.unit_bytes:
@@ -239,8 +319,8 @@ def shard_regions(
     for region in local:
         if not region.segments:
             raise ShardError(
-                f"{region.name}: this layer's layout is not described per TP shard "
-                "(unsupported layer type or KV-cache layout for different TP sizes)"
+                f"{region.name}: this layer's layout is not described per TP shard: "
+                + (region.reason or "unsupported layer type or KV-cache layout for different TP sizes")
             )
         remotes = []
         for rank in order:

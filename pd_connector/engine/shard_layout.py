@@ -1,15 +1,22 @@
 """vLLM's tensor-parallel sharding of each page region, as ``core.shards`` segments.
 
-What each rank holds (vLLM 0.32):
-- attention (full, sliding window): KV heads, split evenly or replicated when TP exceeds the head
-  count (``QKVParallelLinear``); a head's bytes are one run of the page in head-major layouts
-  (``KVCacheLayout.is_block_contiguous``: LBHNC/BLHNC, the only CPU layout).
+An allow-list: a layer is described only when its page is a layout proven here (vLLM 0.32/0.33):
+- plain attention (``FullAttentionSpec``, ``SlidingWindowSpec``): KV heads split evenly or
+  replicated when TP exceeds the head count (``QKVParallelLinear``). vLLM views a page as
+  ``[H, N, C]`` per (kernel) block (``create_kv_cache_views`` in vllm/v1/kv_cache_interface.py),
+  C a head's K and V for one token; on the block-contiguous layouts (LBHNC, BLHNC) head h is one
+  run of ``N * C`` bytes at ``h * N * C``, and padding (``page_size_padded``) sits after the heads.
+  The run is read off the page view vLLM hands the connector and checked against the spec's own
+  fields (heads, block size, head sizes, dtype), never taken from the page size.
+- pages every rank holds whole (``AttentionSpec.max_tp_shards == 1``: MLA's latent; a
+  ``MambaSpec`` with ``tp_replicated``): one replicated unit, read from one P rank.
 - Mamba2 conv state: channels ``[x | B | C]``, x split by heads, B and C by groups, or the one
   group replicated on every rank when TP does not divide ``n_groups`` (``MambaMixer2``);
   SSM state (H, P, S) by heads.
 - GDN conv state: channels ``[Q | K | V]``, each split evenly; recurrent state (Hv, dv, dk) by
   value heads (``QwenGatedDeltaNetAttention``, ``gated_delta_net_state_shape``).
-Anything else gets no segments, so only a peer of the same TP size can read it.
+Anything else (head slots that are not heads, packed content, other layouts, spec classes not
+named here) gets no segments and a reason, so only a peer of the same TP size can read it.
 """
 
 from __future__ import annotations
@@ -21,9 +28,7 @@ from typing import Any
 import msgspec
 
 from pd_connector.core import shards
-from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import LayerRegion, Segment
-from pd_connector.engine.compat import _spec_kind
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -35,28 +40,29 @@ def describe_shards(
     regions: Sequence[LayerRegion],
     tp_rank: int,
     tp_size: int,
+    kv_caches: dict[str, Any],
 ) -> list[LayerRegion]:
-    """``regions`` with this rank's segments filled in where vLLM's sharding is known."""
+    """``regions`` with this rank's segments filled in where vLLM's sharding is proven, and a
+    reason on every other (``kv_caches``: the page views vLLM registered)."""
     out = []
-    undescribed = set()
+    refused: dict[str, str] = {}
     for region in regions:
         layer, _, state = region.name.partition("#")
         spec = _layer_spec(kv_cache_config, group_ids[region.group], layer)
+        reason = ""
         try:
-            segments = _segments(vllm_config, kv_cache_config, spec, layer, state, region, tp_rank, tp_size)
+            segments = _segments(vllm_config, kv_cache_config, spec, layer, state, region, tp_rank, tp_size, kv_caches)
         except shards.ShardError as exc:
-            logger.info("pd_connector: %s cannot be read by a peer of another TP size: %s", region.name, exc)
-            segments = ()
-        if not segments:
-            undescribed.add(layer)
-        out.append(msgspec.structs.replace(region, segments=segments))
-    if undescribed:
+            segments, reason = (), str(exc)
+            refused.setdefault(layer, f"{region.name}: {reason}")
+        out.append(msgspec.structs.replace(region, segments=segments, reason=reason))
+    if refused:
         logger.info(
-            "pd_connector: %d layer(s) not described per TP shard (e.g. %s): only a peer with "
-            "TP %d can hand them over",
-            len(undescribed),
-            sorted(undescribed)[0],
+            "pd_connector: %d layer(s) not described per TP shard, so only a peer with TP %d can "
+            "hand them over: %s",
+            len(refused),
             tp_size,
+            "; ".join(sorted(set(refused.values()))[:4]),
         )
     return out
 
@@ -67,13 +73,88 @@ def _layer_spec(kv_cache_config: Any, group: int, layer: str) -> Any:
     return inner.get(layer, spec) if inner else spec
 
 
-def _segments(vllm_config, kv_cache_config, spec, layer, state, region, rank, tp) -> tuple[Segment, ...]:
-    kind, _ = _spec_kind(spec)
-    if kind != MAMBA:
-        return _attention(vllm_config, kv_cache_config, spec, region, rank, tp)
+def _segments(vllm_config, kv_cache_config, spec, layer, state, region, rank, tp, kv_caches) -> tuple[Segment, ...]:
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        if spec.tp_replicated:
+            return shards.replicated_segments(region.page_bytes)
+        return _recurrent(vllm_config, spec, layer, state, region, rank, tp)
+    if isinstance(spec, AttentionSpec) and spec.max_tp_shards == 1:
+        # vLLM: TP ranks past max_tp_shards hold replicas (kv_cache_utils._layer_tp_replicas), so
+        # every rank's page is the same bytes; DCP, which would shard tokens, is refused at start.
+        return shards.replicated_segments(region.page_bytes)
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        raise shards.ShardError(f"{type(spec).__name__}: no TP layout known for this spec class")
+    if spec.num_head_slots is not None:
+        raise shards.ShardError(
+            f"num_head_slots {spec.num_head_slots} for {spec.num_kv_heads} KV heads: the page's slots "
+            "are not one per head (e.g. all K, then all V)"
+        )
+    if spec.state_content_bytes is not None:
+        raise shards.ShardError(f"state_content_bytes {spec.state_content_bytes}: packed content not placed per head")
+    if spec.tokens_per_state != 1:
+        raise shards.ShardError(f"tokens_per_state {spec.tokens_per_state}: a page slot is not one token")
+    # The layout (LBHNC, LBNHC, kernel blocks) is read off the view: its strides are the proof.
+    page = _attention_page(spec, region, kv_caches.get(layer), kv_cache_config.num_blocks)
+    total = shards.layer_kv_heads(spec.num_kv_heads, tp, _kv_head_candidates(vllm_config, layer))
+    return shards.attention_page_segments(page, total, tp, rank)
+
+
+def _attention_page(spec: Any, region: LayerRegion, view: Any, num_blocks: int) -> shards.AttentionPage:
+    """The page as vLLM's view of it lays it out: ``[blocks x kernel blocks, H, N, C]``."""
+    if view is None or view.dim() != 4 or view.shape[0] % num_blocks:
+        raise shards.ShardError(f"page view {None if view is None else tuple(view.shape)}: not [blocks, H, N, C]")
+    if view.stride(3) != 1:
+        raise shards.ShardError("a token's content is not contiguous")
+    elem = view.element_size()
+    kernel_blocks = view.shape[0] // num_blocks
+    dtype_bytes = spec.dtype.itemsize
+    return shards.AttentionPage(
+        page_bytes=region.page_bytes,
+        kernel_blocks=kernel_blocks,
+        kernel_stride=view.stride(0) * elem,
+        slots=view.shape[1],
+        slot_stride=view.stride(1) * elem,
+        tokens=view.shape[2],
+        token_stride=view.stride(2) * elem,
+        content_bytes=view.shape[3] * elem,
+        kv_heads=spec.num_kv_heads,
+        block_size=spec.block_size,
+        kv_bytes=(spec.head_size + spec.head_size_v) * dtype_bytes,
+    )
+
+
+def _kv_head_candidates(vllm_config: Any, layer: str) -> list[int]:
+    """The KV-head counts the model config allows for ``layer``: the target model's count for
+    the layer's index (per layer for heterogeneous checkpoints), else any of its layers', and
+    every drafter layer's (a drafter's layers share the KV cache and need not be told apart by
+    name)."""
+    target = _per_layer_kv_heads(vllm_config.model_config)
+    index = _layer_index(layer)
+    out = [target[index]] if index is not None and index < len(target) else list(target)
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    if draft is not None:
+        out.extend(_per_layer_kv_heads(draft))
+    return out
+
+
+def _per_layer_kv_heads(model_config: Any) -> list[int]:
+    arch = getattr(model_config, "model_arch_config", None)
+    if arch is None or getattr(arch, "per_layer_overrides", None) is None:
+        return [model_config.get_total_num_kv_heads()]
+    return [arch[i].total_num_kv_heads for i in range(len(arch.per_layer_overrides))]
+
+
+def _layer_index(layer: str) -> int | None:
+    numbers = [int(part) for part in layer.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
+def _recurrent(vllm_config, spec, layer, state, region, rank, tp) -> tuple[Segment, ...]:
     mamba_type = getattr(getattr(spec, "mamba_type", None), "name", "")
-    if getattr(spec, "tp_replicated", False) or mamba_type not in ("MAMBA2", "GDN_ATTN") or len(spec.shapes) != 2:
-        return ()
+    if mamba_type not in ("MAMBA2", "GDN_ATTN") or len(spec.shapes) != 2:
+        raise shards.ShardError(f"no TP layout known for {mamba_type or 'this'} state ({len(spec.shapes)} states)")
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
@@ -90,30 +171,6 @@ def _segments(vllm_config, kv_cache_config, spec, layer, state, region, rank, tp
         rank=rank,
         groups_replicated=kind_of == shards.MAMBA2 and _mamba2_groups_replicated(vllm_config, layer, tp),
     )
-
-
-def _attention(vllm_config, kv_cache_config, spec, region, rank, tp) -> tuple[Segment, ...]:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "LBHNC"
-    if not KVCacheLayout[layout].is_block_contiguous or getattr(vllm_config.model_config, "use_mla", False):
-        return ()
-    per_rank = int(getattr(spec, "num_kv_heads", 0) or 0)
-    if per_rank <= 0 or region.page_bytes % per_rank:
-        return ()
-    for total in _total_kv_heads(vllm_config):
-        if max(1, total // tp) == per_rank:
-            return shards.attention_segments(total, tp, rank, region.page_bytes // per_rank)
-    return ()
-
-
-def _total_kv_heads(vllm_config) -> list[int]:
-    """The target model's KV-head count, then the drafter's (its layers share the KV cache)."""
-    out = [vllm_config.model_config.get_total_num_kv_heads()]
-    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
-    if draft is not None:
-        out.append(draft.get_total_num_kv_heads())
-    return out
 
 
 def _mamba2_groups_replicated(vllm_config, layer: str, tp: int) -> bool:

@@ -61,7 +61,9 @@ class WorkerHalf:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         allocations, regions = regions_from_kv_caches(self.kv_cache_config, kv_caches, self.group_ids)
-        regions = describe_shards(self.vllm_config, self.kv_cache_config, self.group_ids, regions, self.tp_rank, self.tp_size)
+        regions = describe_shards(
+            self.vllm_config, self.kv_cache_config, self.group_ids, regions, self.tp_rank, self.tp_size, kv_caches
+        )
         self.transport = NixlTransport(
             mem_type=self.mem_type,
             backends=self.settings.nixl_backends,

@@ -10,6 +10,7 @@ once each of its readers is done.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -117,6 +118,59 @@ def test_every_byte_of_every_d_rank_page_comes_from_the_p_rank_that_holds_it(mod
         pytest.skip("vLLM refuses n_groups that neither divide TP nor equal 1")
     freed = run_handoff(model, p, d, free_ports(p), REQUESTS)
     assert all(f == set(REQUESTS) for f in freed), "every P rank frees each request once its readers are done"
+
+
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 1), (1, 4), (4, 2)])
+def test_padded_page_p_tp1_d_tp2_reads_each_d_rank_its_own_heads_over_nixl(p, d):
+    """Regression (issue #25, 1): with a padded attention page (vLLM's page_size_padded) a head
+    was taken as page_size_bytes // heads, so D rank 1 silently received half of head 1 and P's
+    padding. The pages here are vLLM's own (spec, placement, views: dev/testing/vllm_pages.py)
+    and the oracle reads them through vLLM's view: each D rank must hold its heads byte for byte
+    and its padding untouched."""
+    pytest.importorskip("vllm.v1.kv_cache_interface")
+    from pd_connector.dev.testing.vllm_pages import Layers, plain_attention
+
+    model = Layers(4, plain_attention(pad_per_head=32), nixl=True)
+    freed = run_handoff(model, p, d, free_ports(p), {"r1": {0: REQUESTS["r1"][0]}, "r2": {0: REQUESTS["r2"][0]}})
+    assert all(f == {"r1", "r2"} for f in freed)
+
+
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2)])
+def test_mla_latent_across_tp_is_read_from_one_p_rank_and_every_other_p_rank_released(p, d):
+    """Issue #25, 7: MLA's latent (vLLM's max_tp_shards == 1: every rank holds it whole) is read
+    from the first P rank each D rank pairs with; the P ranks it reads nothing from still free
+    the request (the receiver's release), so every P rank's lease ends."""
+    pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from pd_connector.dev.testing.vllm_pages import Layers
+
+    def mla(tp, heads):  # as MLAAttention.get_kv_cache_spec builds it
+        return MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=24, dtype=torch.bfloat16, max_tp_shards=1)
+
+    freed = run_handoff(Layers(1, mla, replicated=True, nixl=True), p, d, free_ports(p), {"r1": {0: REQUESTS["r1"][0]}})
+    assert all(f == {"r1"} for f in freed)
+
+
+def test_head_slots_that_are_not_heads_refuse_the_pair_at_the_handshake_naming_layer_and_reason(caplog):
+    """Issue #25, 2: a page of 2H slots (FlashInfer NVFP4: all K, then all V) is not sharded by
+    head; D refuses the P engine at the handshake and the load fails with the layer and why."""
+    pytest.importorskip("vllm.v1.kv_cache_interface")
+    import dataclasses
+
+    from pd_connector.dev.testing.vllm_pages import LAYERS, Layers, plain_attention
+
+    plain = plain_attention()
+
+    def nvfp4(tp, heads):  # FlashInferBackend.customize_spec (flashinfer is absent on CPU)
+        spec = plain(tp, heads)
+        return dataclasses.replace(spec, num_head_slots=2 * heads, state_content_bytes=spec.head_size * 2)
+
+    model = Layers(2, nvfp4, k_then_v_slots=True, nixl=True)
+    with pytest.raises(AssertionError, match="D rank 0 failed"):
+        run_handoff(model, 1, 2, free_ports(1), {"r1": {0: REQUESTS["r1"][0]}})
+    assert re.search(f"tensor-parallel layouts cannot be paired: {re.escape(LAYERS[0])}: .*num_head_slots 2 for 1 KV heads", caplog.text)
 
 
 def test_swapped_rank_shards_are_caught_by_the_byte_comparison():

@@ -235,3 +235,103 @@ def test_a_wrong_plan_is_caught_by_the_byte_check(tamper):
     check_pair(layer, 2, 1)
     with pytest.raises(AssertionError):
         check_pair(layer, 2, 1, tamper)
+
+
+# --- attention pages as vLLM views them (padding, kernel blocks), replicated pages ------------
+
+
+def attention_page(k: int, tp: int, tokens: int, kv_bytes: int, pad_per_head: int = 0, kernel_blocks: int = 1):
+    """A plain K/V page of a rank, as ``engine/shard_layout`` reads it off vLLM's view."""
+    heads = max(1, k // tp)
+    per_kernel = tokens // kernel_blocks
+    kernel_stride = heads * per_kernel * kv_bytes
+    return shards.AttentionPage(
+        page_bytes=kernel_blocks * kernel_stride + heads * pad_per_head,
+        kernel_blocks=kernel_blocks,
+        kernel_stride=kernel_stride,
+        slots=heads,
+        slot_stride=per_kernel * kv_bytes,
+        tokens=per_kernel,
+        token_stride=kv_bytes,
+        content_bytes=kv_bytes,
+        kv_heads=heads,
+        block_size=tokens,
+        kv_bytes=kv_bytes,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(tp_pairs(), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]), st.integers(0, 9), st.sampled_from([1, 2, 4]))
+def test_padded_and_kernel_split_pages_place_heads_and_never_write_padding(pair, k, token_bytes, pad, kernel_blocks):
+    """Heads land once from the rank that holds them; the padding after them (labelled None by
+    the segments) is never written, at any TP pair."""
+    p, d = pair
+    if not (replication_ok(k, p) and replication_ok(k, d)):
+        return
+
+    def layer(tp, r):
+        page = attention_page(k, tp, 4, token_bytes, pad, kernel_blocks)
+        return [("attn", shards.attention_page_segments(page, k, tp, r), page.page_bytes, 0)]
+
+    check_pair(layer, p, d)
+
+
+VALID = attention_page(4, 1, 4, 8, pad_per_head=16)
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("slots", 8, "8 head slots for 4 KV heads"),
+        ("content_bytes", 4, "4 B per head and token, 8 B of K and V"),
+        ("tokens", 2, "1 x 2 tokens viewed in a 4-token page"),
+        ("token_stride", 32, "a head is not one run"),  # token-major (LBNHC)
+        ("slot_stride", 8, "a head is not one run"),
+        ("page_bytes", 100, "past the 100 B page"),
+    ],
+)
+def test_an_attention_page_the_code_cannot_place_is_refused_with_its_reason(field, value, reason):
+    assert shards.attention_page_segments(VALID, 4, 2, 1) == (shards.Segment("kv_head", 2, 2, 0, 32),)  # control
+    with pytest.raises(shards.ShardError, match=reason):
+        shards.attention_page_segments(VALID._replace(**{field: value}), 4, 2, 1)
+
+
+def test_overlapping_kernel_blocks_are_refused():
+    page = attention_page(4, 1, 4, 8, kernel_blocks=2)
+    assert len(shards.attention_page_segments(page, 4, 1, 0)) == 2
+    with pytest.raises(shards.ShardError, match="overlap"):
+        shards.attention_page_segments(page._replace(kernel_stride=page.kernel_stride - 1), 4, 1, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 16]), min_size=1, max_size=4), st.sampled_from([1, 2, 4, 8]))
+def test_a_layers_head_count_is_the_one_candidate_that_gives_its_per_rank_heads(candidates, tp):
+    for per_rank in range(1, 17):
+        fits = {t for t in candidates if max(1, t // tp) == per_rank and (t % tp == 0 or tp % t == 0)}
+        if len(fits) == 1:
+            assert shards.layer_kv_heads(per_rank, tp, candidates) == fits.pop()
+        else:
+            with pytest.raises(shards.ShardError, match=f"{per_rank} KV head"):
+                shards.layer_kv_heads(per_rank, tp, candidates)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp_pairs(), st.integers(1, 64), st.integers(0, 8))
+def test_a_replicated_page_is_read_whole_from_the_first_paired_p_rank(pair, nbytes, pad):
+    p, d = pair
+    layer = lambda tp, r: [("mla", shards.replicated_segments(nbytes), nbytes + pad, 0)]  # noqa: E731
+    check_pair(layer, p, d)
+    for j in range(d):
+        ranks = shards.peer_ranks(p, d, j)
+        plans = shards.shard_regions(regions_of(layer, d, j), {r: regions_of(layer, p, r) for r in ranks}, ranks)
+        assert [len(plans[r][0]) for r in ranks] == [1] + [0] * (len(ranks) - 1)
+
+
+def test_the_refusal_names_the_layer_and_the_reason_from_either_side():
+    described = LayerRegion("attn", 0, 0, 64, 64, 1, segments=shards.attention_segments(2, 1, 0, 32))
+    refused = LayerRegion("attn", 0, 0, 64, 64, 1, reason="num_head_slots 4 for 2 KV heads")
+    with pytest.raises(shards.ShardError, match="attn: this layer's layout is not described per TP shard: num_head_slots 4"):
+        shards.shard_regions([refused], {0: [described]}, (0,))
+    mine = LayerRegion("attn", 0, 0, 64, 32, 1, segments=shards.attention_segments(2, 2, 1, 32))
+    with pytest.raises(shards.ShardError, match="no prefill rank holds kv_head unit 1 .*; prefill rank 0: num_head_slots 4"):
+        shards.shard_regions([mine], {0: [refused]}, (0,))
