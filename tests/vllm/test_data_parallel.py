@@ -97,3 +97,45 @@ def test_a_worker_in_a_lockstep_dp_group_never_waits_in_an_idle_step(model_dir):
         s = make_scheduler(model_dir, "kv_producer", dp_index=1, dp_lockstep=lockstep)
         worker = WorkerHalf(s.vllm_config, s.kv_cache_config, settings)
         assert worker._idle_wait_s == wait and worker.dp_index == 1
+
+
+def _worker(model_dir, dp_index, base):
+    from pd_connector.core.protocol import Welcome
+    from pd_connector.engine.worker import WorkerHalf
+
+    s = make_scheduler(model_dir, "kv_producer", dp_index=dp_index)
+    worker = WorkerHalf(s.vllm_config, s.kv_cache_config, parse_settings({"side_channel_port": base}))
+    welcome = Welcome(worker.engine_id, "agent", b"", [], worker.compat)
+    return worker, welcome
+
+
+def test_two_instances_on_overlapping_ports_refuse_at_start_up_naming_the_scheme(model_dir):
+    """A second DP-2 instance whose side_channel_port is one above the first's: its DP rank 0
+    wants the first instance's DP rank 1 port. The bind refusal names the port, the setting and
+    the scheme that fixes it."""
+    from pd_connector.dev.testing.ports import free_ports
+    from pd_connector.transport.side_channel import SideChannelError
+
+    base = free_ports(3)
+    first, welcome = _worker(model_dir, 1, base)  # the first instance's DP rank 1: base + 1
+    held = first._start_sender(welcome, None)
+    try:
+        second, welcome2 = _worker(model_dir, 0, base + 1)
+        with pytest.raises(SideChannelError) as refused:
+            second._start_sender(welcome2, None)
+        text = str(refused.value)
+        assert f":{base + 1}" in text and "side_channel_port" in text and "dp_index" not in text
+        assert "DP rank 0" in text and "d * t consecutive ports" in text
+        # Apart by the first instance's range (2 ports), the two start side by side.
+        third, welcome3 = _worker(model_dir, 0, base + 2)
+        third._start_sender(welcome3, None).close()
+    finally:
+        held.close()
+
+
+def test_a_dp_rank_past_the_last_port_is_refused_before_binding(model_dir):
+    from pd_connector.core.config import UnsupportedConfig
+
+    worker, welcome = _worker(model_dir, 1, 65535)
+    with pytest.raises(UnsupportedConfig, match="side_channel_port to at most 65534"):
+        worker._start_sender(welcome, None)
