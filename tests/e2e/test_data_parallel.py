@@ -120,17 +120,21 @@ def test_a_concurrent_batch_is_served_by_both_ranks_of_p_and_d(dp):
 def test_params_naming_another_dp_rank_are_refused_and_recomputed(dp):
     """Negative control of the per-rank identity: P DP rank 0's params pointed at rank 1's port
     reach an engine that holds none of the blocks. D must see the other engine id at the
-    handshake and recompute (no token loaded), still answering aggregated serving's tokens."""
+    handshake and recompute (no token loaded), still answering aggregated serving's tokens, and
+    the refusal is counted on the D engine that made it (``engine`` label), not the other."""
     kind, inst = dp
-    p, d = inst["dp2"], inst["dp1"]
+    p = d = inst["dp2"]
     prompt = random_prompt(70, seed=41)
-    ref = d.reference(prompt, MAX_TOKENS)
+    ref = d.reference(prompt, MAX_TOKENS, rank=1)
     params = {**p.prefill(prompt, rank=0), "remote_port": p.port_of(1)}
-    before = d.prompt_tokens(0)
-    got = d.decode(prompt, params, MAX_TOKENS, rank=0)
-    tokens = delta(before, d.prompt_tokens(0))
+    before, events = d.prompt_tokens(1), [d.events(0), d.events(1)]
+    got = d.decode(prompt, params, MAX_TOKENS, rank=1)
+    tokens = delta(before, d.prompt_tokens(1))
     assert tokens["external_kv_transfer"] == 0 and tokens["local_compute"] == len(prompt), tokens
     assert got.token_ids == ref.token_ids
+    after = [d.events(0), d.events(1)]
+    moved = [{e: n - events[j].get(e, 0.0) for e, n in after[j].items() if n > events[j].get(e, 0.0)} for j in (0, 1)]
+    assert moved[1].get("load_failed:engine_id") == 1 and not any(e.startswith("load_failed") for e in moved[0]), moved
 
 
 def test_a_handoff_one_token_off_from_a_dp_rank_is_caught(dp):
