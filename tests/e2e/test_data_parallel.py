@@ -14,6 +14,9 @@ computed.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import threading
 
 import pytest
@@ -153,3 +156,39 @@ def test_a_handoff_one_token_off_from_a_dp_rank_is_caught(dp):
         got = d.decode(prompt, {**p.prefill(prompt, rank=1), RESUME_SHIFT: -1}, MAX_TOKENS)
         caught += got.token_ids != ref.token_ids
     assert caught >= 3, f"{kind}: only {caught} of 4 desynced handoffs were caught"
+
+
+def _rank_processes(server, rank: int) -> list[int]:
+    """PIDs of DP rank ``rank``'s engine core and worker, from the lines they logged (vLLM
+    prefixes each with its process name and pid), checked against the server's process group."""
+    text = server.log_text()
+    pids = set(re.findall(rf"\(EngineCore_DP{rank} pid=(\d+)\)", text))
+    pids |= set(re.findall(rf"\(\S+ pid=(\d+)\)[^\n]*pd_connector worker: DP rank {rank},", text))
+    members = set(server.group_pids())
+    return sorted(int(p) for p in pids if int(p) in members)
+
+
+def test_a_p_rank_killed_mid_handoff_is_recomputed_and_only_its_requests(dp):
+    """P DP rank 1 dies between its prefill and D's READ: D recomputes that handoff (correctly)
+    and still loads the one P DP rank 0 holds. Last test of the module: it kills a shared
+    server's rank."""
+    kind, inst = dp
+    if kind != sorted(DP_MODELS)[-1]:
+        pytest.skip("once per module, on the last model's servers")
+    p, d = inst["dp2"], inst["dp1"]
+    prompts = {k: random_prompt(80 + 10 * k, seed=51) for k in (0, 1)}
+    refs = {k: d.reference(prompts[k], MAX_TOKENS) for k in prompts}
+    params = {k: p.prefill(prompts[k], rank=k) for k in prompts}
+    victims = _rank_processes(p.server, 1)
+    assert len(victims) == 2, f"DP rank 1's engine core and worker not found: {victims}"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    got, tokens = {}, {}
+    for k in (0, 1):
+        before = d.prompt_tokens()
+        got[k] = d.decode(prompts[k], params[k], MAX_TOKENS, timeout=300)
+        tokens[k] = delta(before, d.prompt_tokens())
+    assert tokens[1]["external_kv_transfer"] == 0 and tokens[1]["local_compute"] == len(prompts[1]), tokens
+    assert tokens[0]["external_kv_transfer"] == params[0]["replay_offset"], (tokens, p.server.is_running())
+    for k in prompts:
+        assert got[k].token_ids == refs[k].token_ids, k
