@@ -168,27 +168,31 @@ def _rank_processes(server, rank: int) -> list[int]:
     return sorted(int(p) for p in pids if int(p) in members)
 
 
-def test_a_p_rank_killed_mid_handoff_is_recomputed_and_only_its_requests(dp):
-    """P DP rank 1 dies between its prefill and D's READ: D recomputes that handoff (correctly)
-    and still loads the one P DP rank 0 holds. Last test of the module: it kills a shared
-    server's rank."""
+def test_a_p_rank_killed_mid_handoff_is_recomputed_and_other_handoffs_load(dp):
+    """P DP rank 1 dies between its prefill and D's READ. D recomputes its handoff, correctly,
+    while a handoff from another P instance in the same moments still loads. vLLM takes the
+    rest of that P instance down with the rank (``MPClient`` shuts the client down when any
+    engine core exits, vllm/v1/engine/core_client.py), so DP rank 0's handoff is loaded if its
+    READ won the race and recomputed otherwise: either way D answers aggregated serving's
+    tokens. Last test of the module: it kills a shared server's rank."""
     kind, inst = dp
     if kind != sorted(DP_MODELS)[-1]:
         pytest.skip("once per module, on the last model's servers")
-    p, d = inst["dp2"], inst["dp1"]
-    prompts = {k: random_prompt(80 + 10 * k, seed=51) for k in (0, 1)}
+    p, other, d = inst["dp2"], inst["dp1"], inst["dp1"]
+    prompts = {k: random_prompt(80 + 10 * k, seed=51) for k in (0, 1, 2)}
     refs = {k: d.reference(prompts[k], MAX_TOKENS) for k in prompts}
-    params = {k: p.prefill(prompts[k], rank=k) for k in prompts}
+    params = {0: p.prefill(prompts[0], rank=0), 1: p.prefill(prompts[1], rank=1), 2: other.prefill(prompts[2])}
     victims = _rank_processes(p.server, 1)
     assert len(victims) == 2, f"DP rank 1's engine core and worker not found: {victims}"
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     got, tokens = {}, {}
-    for k in (0, 1):
+    for k in (1, 2, 0):
         before = d.prompt_tokens()
         got[k] = d.decode(prompts[k], params[k], MAX_TOKENS, timeout=300)
         tokens[k] = delta(before, d.prompt_tokens())
     assert tokens[1]["external_kv_transfer"] == 0 and tokens[1]["local_compute"] == len(prompts[1]), tokens
-    assert tokens[0]["external_kv_transfer"] == params[0]["replay_offset"], (tokens, p.server.is_running())
+    assert tokens[2]["external_kv_transfer"] == params[2]["replay_offset"], tokens
+    assert tokens[0]["external_kv_transfer"] in (0, params[0]["replay_offset"]), tokens
     for k in prompts:
         assert got[k].token_ids == refs[k].token_ids, k
