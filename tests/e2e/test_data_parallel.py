@@ -159,6 +159,48 @@ def test_a_handoff_one_token_off_from_a_dp_rank_is_caught(dp):
     assert caught >= 3, f"{kind}: only {caught} of 4 desynced handoffs were caught"
 
 
+def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
+    """``pd-connector proxy`` with a DP-2 P and a DP-2 D: vLLM's load balancers pick the ranks,
+    P's params name the one that prefilled, and a concurrent batch matches aggregated serving
+    with D's engines loading every handoff."""
+    from pd_connector.dev.testing.oracle import complete
+    from pd_connector.dev.testing.proxy_process import ProxyProcess
+
+    kind, inst = dp
+    p = d = inst["dp2"]
+    prompts = [random_prompt(n, seed=61) for n in (45, 66, 87, 108, 129, 150)]
+    refs = [d.reference(pr, MAX_TOKENS) for pr in prompts]
+    proxy = ProxyProcess(p.server.base_url, d.server.base_url, tmp_path / "proxy.log", {"PYTHONPATH": p.server.env.get("PYTHONPATH", "")})
+    results: list = [None] * len(prompts)
+    try:
+        before = d.prompt_tokens()
+
+        def run(i):
+            results[i] = complete(proxy.url, "tiny", prompts[i], MAX_TOKENS, timeout=300)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        tokens = delta(before, d.prompt_tokens())
+    finally:
+        proxy.stop()
+    assert tokens["external_kv_transfer"] == sum(len(pr) - 1 for pr in prompts), tokens
+    for ref, got, pr in zip(refs, results, prompts):
+        assert got is not None and got.token_ids == ref.token_ids, f"{kind} n={len(pr)}"
+
+
+def test_check_reports_every_dp_engine_it_reached(dp):
+    from pd_connector.check.run import run_check
+
+    kind, inst = dp
+    rep = run_check(inst["dp2"].server.base_url, inst["dp1"].server.base_url, timeout=300)
+    assert rep.ok, rep.format()
+    line = next(i for i in rep.info if i.startswith("P's DP engines reached"))
+    assert "(2; D has 1)" in line and "_dp0 at" in line and "_dp1 at" in line and "DIFFER" not in line, line
+
+
 def _rank_processes(server, rank: int) -> list[int]:
     """PIDs of DP rank ``rank``'s engine core and worker, from the lines they logged (vLLM
     prefixes each with its process name and pid), checked against the server's process group."""
