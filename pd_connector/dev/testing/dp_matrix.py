@@ -127,10 +127,8 @@ def warm_up(instances: dict[str, DPInstance], timeout: float = 600.0) -> None:
     READ can stall on a loaded 2-core box: tp_matrix.warm_up)."""
     prompt = random_prompt(40, seed=WARM_UP_SEED)
     for p, k in engines(instances):
-        params = p.prefill(prompt, rank=k, timeout=timeout)
         for d, j in engines(instances):
-            d.decode(prompt, params, 1, rank=j, timeout=timeout)
-            params = p.prefill(prompt, rank=k, timeout=timeout)
+            d.decode(prompt, p.prefill(prompt, rank=k, timeout=timeout), 1, rank=j, timeout=timeout)
 
 
 @contextmanager
