@@ -39,10 +39,11 @@ class Answer:
         return f"HTTP {self.status}: {text.strip()[:300]}"
 
 
-def http_request(url: str, body: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> Answer:
+def http_request(url: str, body: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 headers: dict[str, str] | None = None) -> Answer:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     t0 = time.monotonic()
     try:
         with OPENER.open(req, timeout=timeout) as resp:

@@ -8,7 +8,10 @@ Talks to the two vLLM servers directly (not through a proxy), with the standard 
    ``kv_transfer_params`` with ``replay_offset`` and ``pd_protocol_version`` (pd_connector's);
 3. a greedy decode on D with those params, and the same decode on D without them (D computes the
    prompt itself); each request carries a fresh ``cache_salt`` so neither hits D's prefix cache;
-4. report the replay offset, the tokens D recomputes, the blocks per KV-cache group, P's latency,
+4. with more than one data-parallel engine behind P's API server (vLLM's ``--data-parallel-size``),
+   one more handoff from each P engine, steered with vLLM's ``X-data-parallel-rank`` header, to
+   the D engines in turn, each compared with D computing the prompt itself;
+5. report the replay offset, the tokens D recomputes, the blocks per KV-cache group, P's latency,
    D's latency with and without the handoff, what D's ``vllm:pd_events_total`` counters say about
    the handoff (when D exports them), and whether the first tokens match.
 
@@ -33,6 +36,7 @@ from pd_connector.check.client import (
     parse_generation,
     read_events,
 )
+from pd_connector.check.engines import check_dp_engines
 from pd_connector.core.params import KEY_REPLAY_OFFSET, KEY_VERSION, PREFILL_REQUEST_PARAMS
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.urls import normalize_url
@@ -227,6 +231,8 @@ def run_check(
                         "prompt itself (no handoff to compare)")
     if handoff is not None and plain is not None:
         _compare(rep, handoff, plain)
+    if params is not None and KEY_REPLAY_OFFSET in params and plain is not None:
+        check_dp_engines(rep, p_url, d_url, base, gen_body, salt, plain, timeout, say)
     return rep
 
 

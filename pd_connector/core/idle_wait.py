@@ -19,3 +19,11 @@ def should_wait_for_news(idle_step: bool, wait_s: float, reading: bool, leases_h
     if not idle_step or wait_s <= 0 or reading:
         return False
     return leases_held > 0 or loads_pending
+
+
+def idle_wait_seconds(idle_step_wait_ms: float, dp_lockstep: bool) -> float:
+    """The bound on an idle step's wait. None when the engine's DP ranks step in lockstep (a
+    MoE model under data parallelism, vLLM's DPEngineCoreProc): every rank's step, a dummy batch
+    included, joins the same collectives, so a rank that waited for news would hold up the
+    forward pass of every other rank."""
+    return 0.0 if dp_lockstep else idle_step_wait_ms / 1000.0

@@ -351,3 +351,18 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), size
+
+
+def dp_placement(vllm_config: Any) -> tuple[int, bool]:
+    """This engine's data-parallel index and whether its DP ranks step in lockstep.
+
+    ``data_parallel_index`` is the rank among the instance's DP engines in every mode (vLLM sets
+    it per engine in run_engine_core, vllm/v1/engine/core.py, and keeps it when a dense model's
+    ranks are made independent: ``reconfigure_for_independent_dp_rank`` resets
+    ``data_parallel_rank`` and ``data_parallel_size`` to 0 and 1). A DP size still above 1 is a
+    MoE model's DP group, whose ranks run every step together (``DPEngineCoreProc``)."""
+    parallel = vllm_config.parallel_config
+    index = getattr(parallel, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel, "data_parallel_rank", 0)
+    return int(index or 0), int(getattr(parallel, "data_parallel_size", 1) or 1) > 1

@@ -55,9 +55,12 @@ class PrefillHalf:
         tp_size: int,
         recorder: Recorder,
         fingerprint_form: tuple[str, int] = (identity.TOKENS, 0),
+        side_channel_port: int | None = None,
     ):
         self.settings = settings
         self.engine_id = engine_id
+        # The port the params name: this DP rank's TP rank 0 (core/ranks.py).
+        self._port = settings.side_channel_port if side_channel_port is None else side_channel_port
         self.profile = profile
         self.layouts = layouts
         self.group_ids = group_ids
@@ -238,7 +241,7 @@ class PrefillHalf:
             engine_id=self.engine_id,
             request_id=request.request_id,
             host=self.settings.side_channel_host,
-            port=self.settings.side_channel_port,
+            port=self._port,
             tp_size=self._tp_size,
             prompt_digest=digest,
             lease_seconds=self._initial_lease if offset else None,

@@ -26,7 +26,8 @@ from pd_connector.core.leases import extension_interval
 from pd_connector.core.params import PrefillRef, release_target
 from pd_connector.core.prompt_digest import TOKENS, form_of
 from pd_connector.engine import identity
-from pd_connector.engine.compat import layouts_from_kv_cache_config, profile_from_vllm
+from pd_connector.core import ranks
+from pd_connector.engine.compat import dp_placement, layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.faults import Faults
 from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, extend_tasks
 from pd_connector.engine.metrics import Recorder
@@ -72,6 +73,8 @@ class SchedulerHalf:
         self._faults = Faults()
         # This engine's TP size: P sends it in kv_transfer_params; D logs and counts the pair.
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
+        # This engine's DP rank (vLLM's engine id already ends in _dp<rank> under DP).
+        self.dp_index, _ = dp_placement(vllm_config)
         # D: validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
         # D: handoffs handed to the worker and not yet reported loaded, by D request.
@@ -86,6 +89,7 @@ class SchedulerHalf:
             self._tp_size,
             self.recorder,
             identity.fingerprint_form(vllm_config, kv_cache_config),
+            side_channel_port=ranks.engine_base_port(settings.side_channel_port, self.dp_index, self._tp_size),
         )
         # Per-step outboxes, drained by build_connector_meta.
         self._to_recv: dict[str, RecvTask] = {}
@@ -99,9 +103,10 @@ class SchedulerHalf:
         # D: prefill engines a handoff was accepted from (one INFO line each).
         self._peers_seen: set[str] = set()
         logger.info(
-            "pd_connector scheduler: engine %s, groups %s, min recompute %d token(s), "
+            "pd_connector scheduler: engine %s (DP rank %d), groups %s, min recompute %d token(s), "
             "prefix-cache checkpoint unit %d",
             self.engine_id,
+            self.dp_index,
             [layout.kind for layout in self.layouts],
             handoff.min_recompute_tokens(self.profile),
             self.profile.replay_grid,

@@ -1,6 +1,7 @@
 """P's half of a handoff, on one TP rank: the lease table and the side-channel answers over it.
 
-Every P rank runs its own side channel (``side_channel_port + tp_rank``) and its own lease table;
+Every P rank runs its own side channel (``core/ranks.py``: ``side_channel_port + dp_index * tp_size +
+tp_rank``) and its own lease table;
 all ranks receive the same grants from P's scheduler. D's readers claim, read and complete per
 rank (``leases.LeaseTable``), and vLLM frees a request's blocks once every rank has reported it
 in ``finished_sending`` (vLLM's KVOutputAggregator).
@@ -36,6 +37,7 @@ from pd_connector.core.protocol import (
     compat_differences,
     decode_read_done,
 )
+from pd_connector.core.ranks import side_channel_port
 from pd_connector.engine.metadata import SendLease
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport import side_channel
@@ -52,6 +54,7 @@ class Sender:
         welcome: Welcome,
         state_digest: Callable[[list[list[int]]], bytes] | None,
         wake: threading.Event,
+        dp_index: int = 0,
     ):
         self.settings = settings
         self.engine_id = engine_id
@@ -67,10 +70,11 @@ class Sender:
         self._rejected_seen: dict[str, int] = {}
         self._stalls_seen = 0
         self._expired_reading_seen = 0
-        port = settings.side_channel_port + welcome.tp_rank
+        port = side_channel_port(settings.side_channel_port, dp_index, welcome.tp_rank, welcome.tp_size)
         self.server = side_channel.SideChannelServer(settings.side_channel_host, port, self.serve, settings.secret)
         logger.info(
-            "pd_connector: side channel of TP rank %d/%d listening on %s:%d (%s)",
+            "pd_connector: side channel of engine %s, TP rank %d/%d listening on %s:%d (%s)",
+            engine_id,
             welcome.tp_rank,
             welcome.tp_size,
             settings.side_channel_host,

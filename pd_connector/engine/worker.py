@@ -17,11 +17,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.idle_wait import should_wait_for_news
+from pd_connector.core import ranks
+from pd_connector.core.config import ConnectorSettings, UnsupportedConfig
+from pd_connector.core.idle_wait import idle_wait_seconds, should_wait_for_news
 from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
-from pd_connector.engine.compat import engine_compat, regions_from_kv_caches, tp_rank_and_size
+from pd_connector.engine.compat import dp_placement, engine_compat, regions_from_kv_caches, tp_rank_and_size
 from pd_connector.engine.digest import PageDigester
 from pd_connector.engine.faults import Faults, state_corrupter
 from pd_connector.engine.metadata import PDMetadata
@@ -30,6 +31,7 @@ from pd_connector.engine.receiver import Receiver
 from pd_connector.engine.sender import Sender
 from pd_connector.engine.shard_layout import describe_shards
 from pd_connector.transport.nixl import NixlTransport
+from pd_connector.transport.side_channel import SideChannelError
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -45,6 +47,7 @@ class WorkerHalf:
         self.group_ids = tuple(kv_cache_config.transfer_group_ids)
         self.compat = engine_compat(vllm_config, kv_cache_config, self.group_ids)
         self.tp_rank, self.tp_size = tp_rank_and_size(vllm_config)
+        self.dp_index, lockstep = dp_placement(vllm_config)
         self.mamba_groups = [i for i, g in enumerate(self.compat.groups) if g.kind == MAMBA]
         self.mem_type = "DRAM" if kv_transfer.kv_buffer_device == "cpu" else "VRAM"
         self.transport: NixlTransport | None = None
@@ -55,7 +58,7 @@ class WorkerHalf:
         # spinning; side-channel news sets it. See ConnectorSettings.idle_step_wait_ms.
         self._wake = threading.Event()
         self._idle_step = False
-        self._idle_wait_s = settings.idle_step_wait_ms / 1000.0
+        self._idle_wait_s = idle_wait_seconds(settings.idle_step_wait_ms, lockstep)
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -81,7 +84,8 @@ class WorkerHalf:
                 digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
             corrupt = state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
         logger.info(
-            "pd_connector worker: TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",
+            "pd_connector worker: DP rank %d, TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",
+            self.dp_index,
             self.tp_rank,
             self.tp_size,
             len(regions),
@@ -109,7 +113,19 @@ class WorkerHalf:
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
             )
-            self.sender = Sender(self.settings, self.engine_id, self.compat, welcome, digest, self._wake)
+            self.sender = self._start_sender(welcome, digest)
+
+    def _start_sender(self, welcome: Welcome, digest: Any) -> Sender:
+        """P's side channel for this (DP, TP) rank, on its port of core/ranks.py's scheme; a port
+        past 65535 or one another process holds is refused naming the scheme and the setting."""
+        base = self.settings.side_channel_port
+        problem = ranks.port_scheme_problem(base, self.dp_index, self.tp_size)
+        if problem is not None:
+            raise UnsupportedConfig(f"pd_connector: {problem}")
+        try:
+            return Sender(self.settings, self.engine_id, self.compat, welcome, digest, self._wake, dp_index=self.dp_index)
+        except SideChannelError as exc:
+            raise SideChannelError(f"{exc}. {ranks.describe_scheme(base, self.dp_index, self.tp_size)}") from None
 
     # -- per step (engine thread) --------------------------------------------------------------
 

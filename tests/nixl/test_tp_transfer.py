@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pd_connector.core import shards
+from pd_connector.core import ranks, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import PrefillRef
 from pd_connector.core.protocol import Welcome
@@ -33,18 +33,29 @@ pytestmark = pytest.mark.nixl
 TIMEOUT_S = 20.0
 
 
-def run_handoff(model: Model, p: int, d: int, port: int, requests: dict[str, dict[int, list[tuple[int, int]]]], tamper=None):
+def run_handoff(
+    model: Model, p: int, d: int, port: int, requests: dict[str, dict[int, list[tuple[int, int]]]], tamper=None,
+    dp_index: int = 0,
+):
     """Fill every P rank's source blocks, serve them with one Sender per rank, load them on
-    every D rank with a Receiver; return (D ranks, {rank: finished requests} per P rank)."""
+    every D rank with a Receiver; return (D ranks, {rank: finished requests} per P rank).
+    ``dp_index``: P is that DP rank of a DP group (engine ``p_dp<k>``, ports from
+    ``port + k * p``); DP rank 0's TP ranks listen below it meanwhile, holding no lease."""
     p_ranks = [model.rank(p, r, seed=100 + r) for r in range(p)]
+    engine = f"p_dp{dp_index}" if dp_index else "p"
     d_ranks = [model.rank(d, j, seed=None) for j in range(d)]
     settings = ConnectorSettings(side_channel_host="127.0.0.1", side_channel_port=port, lease_seconds=30)
-    senders, receivers = [], []
+    senders, receivers, decoys = [], [], []
     try:
         for r, rank in enumerate(p_ranks):
             rank.fill({g: [src for req in requests.values() for src, _ in req.get(g, [])] for g in (0, 1)})
-            welcome = Welcome("p", rank.transport.name, rank.transport.agent_metadata, rank.regions, compat(p), r, p)
-            senders.append(Sender(settings, "p", compat(p), welcome, None, threading.Event()))
+            welcome = Welcome(engine, rank.transport.name, rank.transport.agent_metadata, rank.regions, compat(p), r, p)
+            senders.append(Sender(settings, engine, compat(p), welcome, None, threading.Event(), dp_index=dp_index))
+        decoys += [
+            Sender(settings, "p_dp0", compat(p), Welcome("p_dp0", "decoy", b"", [], compat(p), r, p), None, threading.Event())
+            for r in range(p)
+            if dp_index
+        ]
         before = [rank.mem().copy() for rank in d_ranks]
         for sender in senders:
             sender.grant(
@@ -59,7 +70,7 @@ def run_handoff(model: Model, p: int, d: int, port: int, requests: dict[str, dic
             tamper(receivers)
         for rid, req in requests.items():
             task = RecvTask(
-                PrefillRef("p", "127.0.0.1", port, rid, p),
+                PrefillRef(engine, "127.0.0.1", ranks.engine_base_port(port, dp_index, p), rid, p),
                 [req.get(0, []), req.get(1, [])],
                 16,
                 15,
@@ -90,7 +101,7 @@ def run_handoff(model: Model, p: int, d: int, port: int, requests: dict[str, dic
     finally:
         for receiver in receivers:
             receiver.close()
-        for sender in senders:
+        for sender in senders + decoys:
             sender.close()
         for rank in p_ranks + d_ranks:
             rank.close()
@@ -193,3 +204,11 @@ def test_swapped_rank_shards_are_caught_by_the_byte_comparison():
 
     with pytest.raises(pytest.fail.Exception, match="bytes differ"):
         run_handoff(Model(shards.MAMBA2, kv_heads=2, n_groups=2), 2, 1, free_ports(2), {"r1": REQUESTS["r1"]}, swap)
+
+
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2)])
+def test_d_reads_from_the_dp_rank_its_params_name_at_remote_port_plus_tp_rank(p, d):
+    """P is DP rank 1 of a DP group (ports base + p .. base + 2p - 1), DP rank 0 listens on the
+    ports below it: D's ranks reach exactly DP rank 1's TP ranks, byte for byte."""
+    freed = run_handoff(Model(shards.MAMBA2, kv_heads=2, n_groups=1), p, d, free_ports(2 * p), REQUESTS, dp_index=1)
+    assert all(f == set(REQUESTS) for f in freed)

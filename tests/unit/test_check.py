@@ -47,8 +47,12 @@ class FakeVllm:
     """
 
     def __init__(self, model="tiny", *, params="pd", corrupt=False, margin=2.0,
-                 event="handoff_accepted", healthy=True):
+                 event="handoff_accepted", healthy=True, dp=1, corrupt_rank=None):
         self.model, self.params, self.corrupt, self.margin = model, params, corrupt, margin
+        # dp: DP engines behind the API server (X-data-parallel-rank past them: HTTP 400, as
+        # vLLM's input processor answers); corrupt_rank: the D engine whose loads are wrong.
+        self.dp, self.corrupt_rank = dp, corrupt_rank
+        self.ranks: list[int | None] = []
         self.event, self.healthy = event, healthy
         self.events: dict[str, int] = {}
         self.received: list[dict] = []
@@ -76,7 +80,14 @@ class FakeVllm:
 
     async def completions(self, request):
         body = await request.json()
+        rank = request.headers.get("X-data-parallel-rank")
+        rank = None if rank is None else int(rank)
+        if rank is not None and not 0 <= rank < self.dp:
+            return web.json_response({"error": {
+                "message": f"data_parallel_rank {rank} is out of range [0, {self.dp}).",
+                "type": "BadRequestError", "code": 400}}, status=400)
         self.received.append(body)
+        self.ranks.append(rank)
         if body.get("model") != self.model:
             return web.json_response({"error": {
                 "message": f"The model `{body.get('model')}` does not exist.",
@@ -87,6 +98,9 @@ class FakeVllm:
             out_params = {"pd": pd_params(len(prompt)), "other": {**pd_params(len(prompt)),
                                                                  "pd_protocol_version": PROTOCOL_VERSION + 1},
                           "none": None}.get(self.params)
+            if out_params and self.dp > 1:
+                out_params = {**out_params, "remote_engine_id": f"engine-p_dp{rank or 0}",
+                              "remote_port": 5660 + (rank or 0)}
             if self.params == "nixl":
                 out_params = {k: v for k, v in pd_params(len(prompt)).items()
                               if k not in ("replay_offset", "pd_protocol_version")}
@@ -97,7 +111,7 @@ class FakeVllm:
             self.events[self.event] = self.events.get(self.event, 0) + 1
         base = sum(prompt) % 500
         ids = [base + 3 * i for i in range(body["max_tokens"])]
-        if kv and self.corrupt:
+        if kv and (self.corrupt or (self.corrupt_rank is not None and rank == self.corrupt_rank)):
             ids[2] += 1
         top = [{f"token_id:{t}": -0.1, f"token_id:{t + 1}": -0.1 - self.margin} for t in ids]
         return web.json_response({"id": "cmpl-d", "object": "text_completion", "choices": [{
@@ -144,6 +158,35 @@ async def test_healthy_pair_passes_and_reports_the_numbers():
     for needle in ("replay_offset 63", "D recomputes 1 token", "[4, 1]", "with the handoff",
                    "D accepted the handoff", "OK:"):
         assert needle in text
+
+
+@async_test(timeout=15)
+async def test_every_dp_engine_behind_p_is_reached_and_reported():
+    p, d = FakeVllm(dp=3), FakeVllm(dp=2)
+    rep = await run(p, d)
+    assert rep.ok, rep.format()
+    # The main check's prefill (no header), then engines 1, 2, the refused 3, and 0.
+    assert p.ranks == [None, 1, 2, 0]
+    assert d.ranks[-3:] == [1, 0, 0]  # P engine k -> D engine k % 2
+    line = next(i for i in rep.info if i.startswith("P's DP engines reached"))
+    for k in range(3):
+        assert f"engine-p_dp{k} at 127.0.0.1:{5660 + k}" in line
+    assert "(3; D has 2)" in line and "DIFFER" not in line
+
+
+@async_test(timeout=15)
+async def test_a_dp_engine_whose_handoff_differs_is_named():
+    p, d = FakeVllm(dp=2), FakeVllm(dp=2, corrupt_rank=1)
+    rep = await run(p, d)
+    problem = one(rep.problems, "P's DP engine 1")
+    assert "engine-p_dp1" in problem and "D (engine 1)" in problem
+
+
+@async_test(timeout=15)
+async def test_one_engine_behind_p_costs_one_refused_probe():
+    p, d = FakeVllm(), FakeVllm()
+    rep = await run(p, d)
+    assert rep.ok and p.ranks == [None] and not any("DP engines" in i for i in rep.info)
 
 
 @async_test(timeout=15)

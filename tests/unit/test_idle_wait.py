@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.core.idle_wait import should_wait_for_news
+from pd_connector.core.idle_wait import idle_wait_seconds, should_wait_for_news
 
 WAIT_S = 0.002  # the default idle_step_wait_ms
 
@@ -49,3 +49,10 @@ def test_never_waits_while_a_read_is_in_flight(idle_step, wait_s, leases_held, l
 def test_waits_exactly_when_every_condition_holds(idle_step, wait_s, reading, leases_held, loads_pending):
     expected = idle_step and wait_s > 0 and not reading and (leases_held > 0 or loads_pending)
     assert should_wait_for_news(idle_step, wait_s, reading, leases_held, loads_pending) == expected
+
+
+def test_dp_ranks_in_lockstep_never_wait():
+    """A MoE DP rank that waited in an idle step would hold up every other rank's forward
+    pass (they all join the same collectives, dummy batches included)."""
+    assert idle_wait_seconds(2.0, dp_lockstep=True) == 0.0
+    assert idle_wait_seconds(2.0, dp_lockstep=False) == 0.002

@@ -75,3 +75,14 @@ TP_MODELS: dict[str, tuple[str, list[str]]] = {
         ],
     ),  # fmt: skip
 }
+
+
+# The data-parallel matrix (tests/e2e/test_data_parallel.py): kind -> ({instance: (DP, TP)},
+# vLLM flags for all, flags per instance). llama's dp1 runs at TP 2 (the unequal-TP DP x TP
+# cell). Dense models only: vLLM CPU 0.32 cannot run a MoE model at DP 2, with or without
+# --enable-expert-parallel (docs/testing.md). Prefix caching off: the oracle is D's own engine,
+# whose cache must not serve a reference from KV a handoff wrote.
+DP_MODELS: dict[str, tuple[dict[str, tuple[int, int]], list[str], dict[str, list[str]]]] = {
+    "llama": ({"dp2": (2, 1), "dp1": (1, 2)}, TP_MODELS["llama"][1], {}),
+    "nemotron_h": ({"dp2": (2, 1), "dp1": (1, 1)}, CPU_MODELS["nemotron_h"], {}),
+}

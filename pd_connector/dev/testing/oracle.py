@@ -114,12 +114,14 @@ def complete(
     kv_transfer_params: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
     extra: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Completion:
     """Greedy completion of a token-id prompt via ``POST base_url/v1/completions``.
 
     temperature 0 and ignore_eos (random models emit EOS early, which would shorten outputs and
     truncate comparisons); ``logprobs=k`` asks for the top-k alternatives (>= 2 for the margin
-    check; 5 by default so that ties of more than two tokens are visible), None for none. ``extra`` is merged into the body last (e.g. ``{"seed": 1}``).
+    check; 5 by default so that ties of more than two tokens are visible), None for none. ``extra`` is merged into the body last (e.g. ``{"seed": 1}``); ``headers``:
+    more HTTP headers (e.g. vLLM's ``X-data-parallel-rank``).
     """
     body: dict[str, Any] = {
         "model": model,
@@ -139,7 +141,7 @@ def complete(
     req = urllib.request.Request(
         f"{base_url.rstrip('/')}/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
         method="POST",
     )
     t0 = time.monotonic()

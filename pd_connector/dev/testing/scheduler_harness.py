@@ -62,6 +62,9 @@ def make_scheduler(
     prefix_match_unit: int | None = None,
     retention_interval: int | None = 0,
     speculative: dict[str, Any] | None = None,
+    dp_index: int | None = None,
+    dp_lockstep: bool = False,
+    tp_size: int = 1,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
@@ -74,7 +77,9 @@ def make_scheduler(
     ``mamba_mode="align"`` is set on the cache config as well as on the spec (the Scheduler reads
     ``cache_config.mamba_cache_mode`` for its block-aligned chunking). ``prefix_match_unit`` and
     ``retention_interval`` are vLLM's cache-config fields (``retention_interval`` defaults to
-    vLLM's own default, 0; None = dense retention)."""
+    vLLM's own default, 0; None = dense retention). ``dp_index``: the engine is that DP rank of
+    a DP group (``dp_lockstep``: a MoE model's, whose ranks step together); ``tp_size``: the
+    engine's TP size as its scheduler sees it."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -142,6 +147,15 @@ def make_scheduler(
         prefix_cache_retention_interval=vllm_config.cache_config.prefix_cache_retention_interval,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    vllm_config.parallel_config.tensor_parallel_size = tp_size
+    if dp_index is not None:
+        # As run_engine_core does for each DP engine (vllm/v1/engine/core.py): the engine id
+        # gets the rank, and a dense model's rank runs alone (data_parallel_index kept).
+        vllm_config.kv_transfer_config.engine_id = f"{vllm_config.kv_transfer_config.engine_id}_dp{dp_index}"
+        parallel = vllm_config.parallel_config
+        parallel.data_parallel_size = 2 if dp_lockstep else 1
+        parallel.data_parallel_rank = dp_index if dp_lockstep else 0
+        parallel.data_parallel_index = dp_index
     # As EngineCore does (vllm/v1/engine/core.py): the scheduler's block size is the LCM of the
     # groups' and requests are hashed at hash_block_size (make_request's block_size).
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)

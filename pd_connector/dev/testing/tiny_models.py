@@ -9,7 +9,8 @@ architectures that vLLM CPU 0.32.0 can serve (docs/testing.md, "Tiny models"):
 - ``nemotron_h``: Mamba2 + attention hybrid, layer pattern ``M*M-`` (NemotronHForCausalLM), one
   SSM group (replicated at TP 2); ``nemotron_h_g2``: two groups (one per rank at TP 2).
 - ``granite_hybrid``: ``[mamba, attention, mamba, attention]``, no experts
-  (GraniteMoeHybridForCausalLM).
+  (GraniteMoeHybridForCausalLM); ``granite_moe_hybrid``: the same with 4 routed experts, 2 per
+  token (MoE: vLLM steps its DP ranks in lockstep, and ``--enable-expert-parallel`` shards them).
 - ``qwen3_next_mtp``: Qwen3-Next (gated delta net linear attention + full attention, MoE), 8
   layers with full attention every 4th, plus 3 native MTP modules (``num_nextn_predict_layers``),
   for ``{"method": "mtp"}`` speculative decoding (speculative_models.py); ``qwen3_next_mtp_tp2``:
@@ -44,7 +45,7 @@ from typing import Any
 
 MODEL_KINDS: tuple[str, ...] = (
     "llama", "llama_kv1", "nemotron_h", "nemotron_h_g2", "granite_hybrid", "qwen3_next_mtp", "qwen3_next_mtp_tp2",
-    "eagle_llama",
+    "eagle_llama", "granite_moe_hybrid",
 )
 # Kinds built by speculative_models.py rather than from a transformers class alone.
 _BF16_KINDS = ("qwen3_next_mtp", "qwen3_next_mtp_tp2")
@@ -172,16 +173,19 @@ def _model_config(kind: str, tok) -> Any:
             expand=2,
             chunk_size=64,
         )
-    if kind == "granite_hybrid":
+    if kind in ("granite_hybrid", "granite_moe_hybrid"):
         from transformers import GraniteMoeHybridConfig
 
+        # granite_moe_hybrid: 4 routed experts, 2 per token, besides the shared MLP (vLLM runs
+        # a MoE model's DP ranks in lockstep and can shard its experts: data parallel tests).
+        moe = {"num_local_experts": 4, "num_experts_per_tok": 2}
         return GraniteMoeHybridConfig(
             **common,
             num_hidden_layers=4,
             layer_types=["mamba", "attention", "mamba", "attention"],
             num_attention_heads=2,  # head_dim = 64 / 2 = 32
             num_key_value_heads=1,
-            num_local_experts=0,  # dense: only the shared MLP
+            **(moe if kind == "granite_moe_hybrid" else {"num_local_experts": 0}),  # dense: only the shared MLP
             shared_intermediate_size=128,
             mamba_n_heads=8,
             mamba_d_head=16,
@@ -226,6 +230,7 @@ def _write_model(kind: str, out: Path) -> None:
         "nemotron_h": NemotronHForCausalLM,
         "nemotron_h_g2": NemotronHForCausalLM,
         "granite_hybrid": GraniteMoeHybridForCausalLM,
+        "granite_moe_hybrid": GraniteMoeHybridForCausalLM,
     }
     tok = build_tokenizer()
     if kind not in classes:
