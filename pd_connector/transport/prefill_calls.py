@@ -137,5 +137,12 @@ class PrefillCalls:
         except side_channel.SideChannelError as exc:
             logger.info("pd_connector: lease extension not delivered to %s:%d: %s", host, port, exc)
 
+    def forget(self, peers) -> None:
+        """Close the idle sockets to these ``(host, port)`` side channels."""
+        self._client.forget(peers)
+
+    def idle_sockets(self) -> int:
+        return self._client.idle_sockets()
+
     def close(self) -> None:
         self._client.close()
