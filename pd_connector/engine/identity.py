@@ -1,6 +1,7 @@
 """What identifies P's state, read from vLLM: the model's identity (compared at the handshake)
 and the prompt fingerprint's inputs (core/prompt_digest.py: vLLM's block hashes where another
-engine can reproduce them, the request's LoRA, cache salt and multimodal items)."""
+engine can reproduce them, the request's LoRA adapter, cache salt and multimodal items), each
+independent of where the model or the adapter is mounted."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, par
 
 __all__ = [
     "TOKENS",
+    "adapter_files_digest",
     "fingerprint_form",
+    "keyed_by_mount_path",
+    "lora_identity",
+    "mm_item_digest",
     "model_files_digest",
     "model_identity",
+    "prompt_extra_keys",
     "prompt_fingerprint",
     "prompt_fingerprint_rehashed",
     "sibling_group",

@@ -65,7 +65,8 @@ def test_p_restarted_ten_times_with_fresh_engine_ids_leaves_d_holding_no_old_eng
             try:
                 d.mem[:] = 0
                 want, _ = expected_after(d, p, PAIRS)
-                load_one(receiver, RecvTask(PrefillRef(f"p-start-{i}", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, [[1]]))
+                prefill = PrefillRef(f"p-start-{i}", "127.0.0.1", port, "P-r1")
+                load_one(receiver, RecvTask(prefill, PAIRS, 16, 15, [[1]]))
                 assert_bytes(d, want)
                 assert agent.check_remote_metadata(p.transport.name)
             finally:

@@ -81,11 +81,15 @@ def item(modality: str, model_path: str, seed: int, offset: int = 4, length: int
     output (a deterministic tensor of the item)."""
     raw = media(modality, seed)
     pi = ProcessorInputs(prompt=[], mm_data_items=MultiModalDataParser(target_sr=16000).parse_mm_data({modality: raw}))
-    (identifier,) = pi.get_mm_hashes(model_path, "blake3")[modality]
+    (identifier,) = pi.get_mm_hashes(model_path, "sha256")[modality]
     pixels = torch.from_numpy(np.asarray(raw if modality == "image" else raw[0], dtype=np.float32))
     data = MultiModalKwargsItem({"values": MultiModalFieldElem(data=pixels, field=MultiModalBatchedField())})
     return MultiModalFeatureSpec(
-        data=data, modality=modality, identifier=identifier, mm_position=PlaceholderRange(offset, length), mm_hash=identifier
+        data=data,
+        modality=modality,
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset, length),
+        mm_hash=identifier,
     )
 
 
@@ -133,7 +137,8 @@ def adapter(root, name: str, seed: int):
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
     g = torch.Generator().manual_seed(seed)
-    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 64, generator=g)}, path / "adapter_model.safetensors")
+    weights = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 64, generator=g)}
+    save_file(weights, path / "adapter_model.safetensors")
     return str(path)
 
 
@@ -166,6 +171,7 @@ def test_another_adapter_under_the_same_name_is_refused_as_prompt_mismatch(model
 
 def test_adapter_files_digest_follows_the_content_not_the_path(tmp_path):
     one = adapter(tmp_path / "a", "x", seed=1)
-    assert identity.adapter_files_digest(one) == identity.adapter_files_digest(str(shutil.copytree(one, tmp_path / "b")))
+    copy = str(shutil.copytree(one, tmp_path / "b"))
+    assert identity.adapter_files_digest(one) == identity.adapter_files_digest(copy)
     assert identity.adapter_files_digest(one) != identity.adapter_files_digest(adapter(tmp_path / "c", "x", seed=2))
     assert identity.lora_identity(LoRARequest("x", 1, "org/adapter")) == "id:org/adapter", "a hub id, whole"

@@ -150,6 +150,16 @@ def test_a_fingerprint_form_d_cannot_compute_is_refused_naming_the_settings(mode
     assert "b:xxhash:16:deadbeef" in release.reason and "PYTHONHASHSEED" in release.reason
 
 
+def test_a_fingerprint_of_another_version_is_refused_naming_the_version(model_dir):
+    """Version 1 keyed LoRA adapters and multimodal items by name and path: not comparable."""
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    params = {**params, "pd_prompt_digest": "1:" + params["pd_prompt_digest"].partition(":")[2]}
+    d, _, out = decode(model_dir, PROMPT, params)
+    assert connector_half(d).stats["refused:prompt_mismatch"] == 1
+    (release,) = out.kv_connector_metadata.to_release
+    assert "fingerprint version (this instance's: 2)" in release.reason
+
+
 def test_fingerprint_form_follows_the_engines_block_hashing(monkeypatch):
     from types import SimpleNamespace
 
