@@ -98,6 +98,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # cache. 0: D recomputes only its minimum whatever the cache mode (the next turn is prefilled
     # by P anyway; D's own hit saves only part of a READ). handoff.plan_handoff.
     max_checkpoint_recompute: int = 0
+    # D forgets a P engine no load has used for this long (its NIXL agent, descriptor lists and
+    # side-channel sockets): vLLM gives every P start a fresh engine id, so a P restarted or
+    # scaled away is never used again. A forgotten P that comes back costs one handshake.
+    prefill_engine_idle_seconds: float = 600.0
 
     # Filled by parse_settings from the file or the environment; excluded from repr.
     secret: bytes = msgspec.field(default=b"", name="_secret")
@@ -122,6 +126,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             "handshake_timeout_seconds",
             "claim_wait_seconds",
             "read_warn_seconds",
+            "prefill_engine_idle_seconds",
         ):
             value = getattr(self, name)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.

@@ -25,7 +25,7 @@ from pd_connector.core.params import (
     HandoffParams,
     decode_handoff_params,
 )
-from pd_connector.core.prompt_digest import form_of
+from pd_connector.core.prompt_digest import DIGEST_VERSION, form_of
 from pd_connector.core.protocol import PROTOCOL_VERSION, ProtocolError
 
 
@@ -303,8 +303,9 @@ def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_toke
         return (
             f"this instance cannot fingerprint its {num_prompt_tokens}-token prompt in the form the "
             f"prefill instance used ({form_of(theirs) or theirs[:40]!r}) to check the {offset} "
-            "tokens it computed: P and D differ in --prefix-caching-hash-algo, hash block size or "
-            "PYTHONHASHSEED, or the prompt has embeddings"
+            "tokens it computed: P and D differ in --prefix-caching-hash-algo, hash block size, "
+            f"PYTHONHASHSEED or fingerprint version (this instance's: {DIGEST_VERSION}), the prompt "
+            "has embeddings, or a multimodal item's data is not in this engine"
         )
     if mine == theirs:
         return ""

@@ -16,7 +16,12 @@ Two forms, named in the fingerprint (``"<version>:<form>:<hex>"``):
   fewer than ``block size`` tokens after it. Costs the same at any prompt length. Comparable
   only between engines with the same hash algorithm, block size and hash seed (the seed tag).
 - ``t``: every token folded here, when the engine's block hashes are not comparable across
-  processes (an xxhash algorithm without PYTHONHASHSEED: vLLM seeds it randomly per process).
+  processes (an xxhash algorithm without PYTHONHASHSEED: vLLM seeds it randomly per process),
+  and for a prompt with a LoRA adapter or a multimodal item before R, whose block hashes name
+  the adapter's path and the model's path (engine/identity.keyed_by_mount_path).
+
+Both forms cover the same inputs besides the tokens (``extra_keys``), none of them a path.
+Version 2: the adapter's files and the items' data instead of vLLM's identifiers.
 
 Tokens are folded by CPython's tuple hash (xxHash-derived, 64 bits, one C loop); each step of
 that fold is a bijection of the accumulator, so two token runs of equal length that differ in one
@@ -36,7 +41,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-DIGEST_VERSION = 1
+# Bump when what a fingerprint covers changes: a peer of another version is refused by name.
+DIGEST_VERSION = 2
 TOKENS = "t"
 _PERSON = b"pd-prompt-v1"
 _encode = msgspec.msgpack.Encoder().encode
@@ -96,14 +102,15 @@ def extra_keys(
     lora_name: str | None = None,
     cache_salt: str | None = None,
     length: int | None = None,
+    lora_files: str = "",
 ) -> tuple[ExtraKey, ...]:
-    """The keys beyond the tokens that decide the state at ``length``: multimodal items
-    ``(identifier, offset, placeholder length)`` starting before ``length`` (their embeddings
-    replace the placeholder tokens), the LoRA adapter's name (its numeric id is assigned per
-    server), and the cache salt."""
+    """The keys beyond the tokens that decide the state at ``length``, none of them a mount
+    path: multimodal items ``(content digest, offset, placeholder length)`` starting before
+    ``length`` (their embeddings replace the placeholder tokens), the LoRA adapter's name and
+    the identity of its files (its numeric id is assigned per server), and the cache salt."""
     keys: list[ExtraKey] = []
     if lora_name:
-        keys.append(("lora", lora_name))
+        keys.append(("lora", lora_name, lora_files))
     if cache_salt:
         keys.append(("salt", cache_salt))
     keys.extend(

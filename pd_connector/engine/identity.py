@@ -1,21 +1,29 @@
 """What identifies P's state, read from vLLM: the model's identity (compared at the handshake)
 and the prompt fingerprint's inputs (core/prompt_digest.py: vLLM's block hashes where another
-engine can reproduce them, the request's LoRA, cache salt and multimodal items)."""
+engine can reproduce them, the request's LoRA adapter, cache salt and multimodal items), each
+independent of where the model or the adapter is mounted."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from typing import Any
 
 from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, parse_blocks_form, prompt_digest
 
 __all__ = [
     "TOKENS",
+    "adapter_files_digest",
     "fingerprint_form",
+    "keyed_by_mount_path",
+    "lora_identity",
+    "mm_item_digest",
     "model_files_digest",
     "model_identity",
+    "prompt_extra_keys",
     "prompt_fingerprint",
     "prompt_fingerprint_rehashed",
     "sibling_group",
@@ -124,15 +132,97 @@ def sibling_group(request_id: str) -> str | None:
 
 def prompt_extra_keys(request: Any, length: int) -> tuple | None:
     """What besides the first ``length`` prompt tokens decides the state there
-    (core/prompt_digest.extra_keys), from vLLM's ``Request``; None when the prompt cannot be
-    fingerprinted (prompt embeddings: the state depends on tensors, not tokens)."""
+    (core/prompt_digest.extra_keys), from vLLM's ``Request``, in a form independent of where the
+    model and the adapter are mounted: each multimodal item by its processed data
+    (``mm_item_digest``), the LoRA adapter by its name and files (``lora_identity``). None when
+    the prompt cannot be fingerprinted (prompt embeddings: the state depends on tensors, not
+    tokens; a multimodal item before ``length`` whose data this engine never saw)."""
     if request.prompt_embeds is not None:
         return None
     lora, salt, features = request.lora_request, request.cache_salt, request.mm_features
     if not (lora or salt or features):
         return ()  # the common case, on every handoff: no attribute chase
-    items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)) for f in features or ()]
-    return extra_keys(items, getattr(lora, "lora_name", None), salt, length)
+    items = []
+    for f in features or ():
+        offset, size = int(f.mm_position.offset), int(f.mm_position.length)
+        if offset >= length:
+            continue
+        digest = mm_item_digest(f)
+        if digest is None:
+            return None
+        items.append((digest, offset, size))
+    name = getattr(lora, "lora_name", None)
+    return extra_keys(items, name, salt, length, lora_identity(lora) if lora else "")
+
+
+def keyed_by_mount_path(request: Any, length: int) -> bool:
+    """Whether vLLM's block hashes of this prompt's first ``length`` tokens depend on where the
+    files are mounted: its multimodal identifiers hash ``model_config.model`` (the full path:
+    ``ProcessorInputs.get_mm_hashes`` in vllm/multimodal/processing/inputs.py) and its LoRA key
+    is the adapter's name and path (``_gen_lora_extra_hash_keys`` in
+    vllm/v1/core/kv_cache_utils.py). Such prompts are fingerprinted in the tokens form."""
+    if request.lora_request:
+        return True
+    return any(int(f.mm_position.offset) < length for f in request.mm_features or ())
+
+
+# Content digests of multimodal items by vLLM's identifier: the identifier names the same item
+# within this process (vLLM's own encoder and processor caches rely on it), and an item's data
+# is None in EngineCore when the processor cache had it (mm_processor_cache_type "shm").
+_MM_DIGESTS: OrderedDict[str, str] = OrderedDict()
+_MM_DIGESTS_MAX = 4096
+
+
+def mm_item_digest(feature: Any) -> str | None:
+    """A multimodal item by its modality and processed data (vLLM's ``MultiModalKwargsItem``:
+    pixel values, audio features and their grids, what the encoder computes the embeddings
+    from), hashed as vLLM's MultiModalHasher frames tensors; None if this engine has neither the
+    data nor an earlier digest for its identifier."""
+    key = str(feature.identifier)
+    digest = _MM_DIGESTS.get(key)
+    if digest is not None:
+        _MM_DIGESTS.move_to_end(key)
+        return digest
+    if feature.data is None:
+        return None
+    from vllm.multimodal.hasher import MultiModalHasher
+
+    data = feature.data.get_data()
+    digest = MultiModalHasher.hash_kwargs(
+        "sha256", modality=str(feature.modality), data={k: data[k] for k in sorted(data)}
+    )[:32]
+    _MM_DIGESTS[key] = digest
+    if len(_MM_DIGESTS) > _MM_DIGESTS_MAX:
+        _MM_DIGESTS.popitem(last=False)
+    return digest
+
+
+def lora_identity(lora_request: Any) -> str:
+    """A LoRA adapter by its files when ``lora_path`` is a local directory (``files:`` and
+    ``adapter_files_digest``: the same adapter at two paths agrees, another adapter under the
+    same name does not), else by the path or hub id whole (``id:``)."""
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    digest = adapter_files_digest(path, int(getattr(lora_request, "lora_int_id", 0) or 0))
+    return f"files:{digest}" if digest else f"id:{path}"
+
+
+@functools.lru_cache(maxsize=256)
+def adapter_files_digest(path: str, adapter_id: int = 0) -> str:
+    """A content fingerprint of a local LoRA adapter directory ("" for anything else): every
+    byte of its ``adapter_config.json`` and weight files (adapters are small next to a model).
+    Computed once per path and vLLM adapter id (``lora_int_id``), as vLLM loads an adapter once
+    per id (vllm/lora/worker_manager.py); ``adapter_id`` only keys that cache."""
+    if not os.path.isdir(path):
+        return ""
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if (name == "adapter_config.json" or name.endswith(_WEIGHT_SUFFIXES)) and os.path.isfile(full):
+            h.update(f"{name}\0{os.path.getsize(full)}\0".encode())
+            with open(full, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 # vLLM seeds these block hashes randomly per process unless PYTHONHASHSEED is set
@@ -160,12 +250,15 @@ def fingerprint_form(vllm_config: Any, kv_cache_config: Any) -> tuple[str, int]:
 
 def prompt_fingerprint(request: Any, length: int, form: str = TOKENS, block_size: int = 0) -> str | None:
     """The fingerprint of a vLLM ``Request``'s first ``length`` prompt tokens in ``form``, or
-    None if it cannot have one (prompt embeddings, or no block hashes for the blocks form)."""
+    None if it cannot have one (prompt embeddings, a multimodal item's data missing, or no block
+    hashes for the blocks form). In the tokens form whatever ``form`` asks when vLLM's block
+    hashes depend on mount paths (``keyed_by_mount_path``): P then sends that form, and D,
+    asked for a blocks form for such a prompt, computes one P's cannot equal."""
     extra = prompt_extra_keys(request, length)
     tokens = request.prompt_token_ids
     if extra is None or tokens is None or len(tokens) < length:
         return None
-    if form == TOKENS:
+    if form == TOKENS or keyed_by_mount_path(request, length):
         return prompt_digest(tokens, length, extra)
     full = length // block_size
     hashes = getattr(request, "block_hashes", None) or ()
@@ -188,6 +281,8 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
     algo, block_size, seed_tag = theirs_form
     if (algo, seed_tag) != (mine_form[0], mine_form[2]):
         return None
+    if keyed_by_mount_path(request, length):
+        return prompt_fingerprint(request, length)
     extra = prompt_extra_keys(request, length)
     tokens = request.prompt_token_ids
     if extra is None or tokens is None or len(tokens) < length:

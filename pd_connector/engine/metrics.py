@@ -8,7 +8,8 @@ event counts. Events are stable labels: ``refused:<kind>`` (D refused P's offset
 ``handoff_offered``, ``handoff_accepted``, ``side_channel_rejected:<kind>``,
 ``rejected_before_engine`` (vLLM's stand-in for a request D's serving layer rejected),
 ``read_slow`` (a READ in flight past ``read_warn_seconds``), ``nixl_call_slow`` (a NIXL call
-that held D's engine thread over a second).
+that held D's engine thread over a second). Gauges carry their last value per D rank
+(``prefill_engines_connected``), sent in the interval they changed.
 """
 
 from __future__ import annotations
@@ -64,15 +65,26 @@ HISTOGRAMS = {
 }
 
 
+GAUGES = {
+    "prefill_engines_connected": "Prefill engines this D rank holds a connection to (NIXL agent, "
+    "descriptor lists, side-channel sockets), label 'rank'.",
+}
+
+
 @dataclass
 class PDStats(KVConnectorStats):
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
+        self.data.setdefault("gauges", {})
 
     def reset(self) -> None:
         self.data = {name: [] for name in HISTOGRAMS}
         self.data["events"] = {}
+        self.data["gauges"] = {}
+
+    def set_gauge(self, name: str, rank: int, value: float) -> None:
+        self.data["gauges"].setdefault(name, {})[str(rank)] = value
 
     def observe(self, name: str, value: float) -> None:
         self.data[name].append(value)
@@ -85,13 +97,15 @@ class PDStats(KVConnectorStats):
         events[event] = events.get(event, 0) + n
 
     def is_empty(self) -> bool:
-        return not self.data["events"] and not any(self.data[name] for name in HISTOGRAMS)
+        return not self.data["events"] and not self.data["gauges"] and not any(self.data[name] for name in HISTOGRAMS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name in HISTOGRAMS:
             self.data[name].extend(other.data.get(name, ()))
         for event, n in other.data.get("events", {}).items():
             self.count(event, n)
+        for name, by_rank in other.data.get("gauges", {}).items():
+            self.data["gauges"].setdefault(name, {}).update(by_rank)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -107,6 +121,8 @@ class PDStats(KVConnectorStats):
         if recompute:
             out["Avg recomputed tokens"] = round(sum(recompute) / len(recompute), 2)
         out.update(sorted(self.data["events"].items()))
+        for name, by_rank in sorted(self.data["gauges"].items()):
+            out.update((f"{name}[rank {rank}]", value) for rank, value in sorted(by_rank.items()))
         return out
 
     def take(self) -> "PDStats | None":
@@ -124,6 +140,7 @@ class Recorder:
     def __init__(self) -> None:
         self.interval = PDStats()
         self.totals: Counter[str] = Counter()
+        self.gauges: dict[tuple[str, int], float] = {}
 
     def count(self, event: str, n: int = 1) -> None:
         self.interval.count(event, n)
@@ -131,6 +148,10 @@ class Recorder:
 
     def observe(self, name: str, value: float) -> None:
         self.interval.observe(name, value)
+
+    def set_gauge(self, name: str, rank: int, value: float) -> None:
+        self.interval.set_gauge(name, rank, value)
+        self.gauges[name, rank] = value
 
     def observe_all(self, name: str, values: list[float]) -> None:
         """Several samples at once (D records a step's handoffs in one call)."""
@@ -154,6 +175,13 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "lease expiries, handoffs (label 'event').",
             labelnames=[*labelnames, "event"],
         )
+        self._gauges = {
+            name: self._gauge_cls(
+                name=f"vllm:pd_{name}", documentation=doc, multiprocess_mode="mostrecent",
+                labelnames=[*labelnames, "rank"],
+            )
+            for name, doc in GAUGES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, children in self._histograms.items():
@@ -162,3 +190,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for event, n in transfer_stats_data.get("events", {}).items():
             self._events.labels(*labels, event).inc(n)
+        for name, by_rank in transfer_stats_data.get("gauges", {}).items():
+            if name in self._gauges:
+                for rank, value in by_rank.items():
+                    self._gauges[name].labels(*labels, rank).set(value)

@@ -115,13 +115,18 @@ class PrefillHalf:
         offset = plan.offset
         digest = ""
         if offset > 0:
+            # In this engine's form; every token folded if its block hashes are missing. None (a
+            # multimodal item's data is not in this engine): nothing D could check to hand over.
+            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form)
+            digest = digest or identity.prompt_fingerprint(request, offset)
+            if digest is None:
+                self.recorder.count("p_no_fingerprint")
+                offset, plan, digest = 0, handoff.HandoffPlan(0), ""
+        if offset > 0:
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
             del request._all_token_ids[offset:]
             request.num_prompt_tokens = offset
-            # In this engine's form; every token folded if its block hashes are missing.
-            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form)
-            digest = digest or identity.prompt_fingerprint(request, offset)
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
         keep = handoff.checkpoint_to_keep(plan, self.profile) if offset else 0
         self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests, keep)

@@ -94,7 +94,9 @@ class Receiver:
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerHalf.get_transfer_results) resumes at once.
         self._wake = wake
-        self._peers = PrefillEngines(transport, self._calls, self._submit, tp_rank, tp_size, self.recorder)
+        self._peers = PrefillEngines(
+            transport, self._calls, self._submit, tp_rank, tp_size, self.recorder, settings.prefill_engine_idle_seconds
+        )
         self._loads: dict[str, _Load] = {}
         self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
         self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
@@ -163,6 +165,7 @@ class Receiver:
     def advance(self) -> None:
         """Move every request as far along as it can go now; never blocks."""
         self._peers.finish_connects()
+        self._peers.forget_idle(lambda: {load.task.prefill.engine_id for load in self._loads.values()})
         self._start_claims()
         self._start_reads()
         self._take_extension_answers()

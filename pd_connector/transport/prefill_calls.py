@@ -144,5 +144,12 @@ class PrefillCalls:
             return None
         return reply
 
+    def forget(self, peers) -> None:
+        """Close the idle sockets to these ``(host, port)`` side channels."""
+        self._client.forget(peers)
+
+    def idle_sockets(self) -> int:
+        return self._client.idle_sockets()
+
     def close(self) -> None:
         self._client.close()

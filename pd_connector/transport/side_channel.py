@@ -335,6 +335,13 @@ class Client:
         for old in evicted:
             old.close()
 
+    def forget(self, peers) -> None:
+        """Close the idle sockets to these ``(host, port)`` peers (a P engine D forgot)."""
+        with self._lock:
+            closing = [sock for peer in peers for sock in self._idle.pop(peer, ())]
+        for sock in closing:
+            sock.close()
+
     def idle_sockets(self) -> int:
         with self._lock:
             return sum(len(socks) for socks in self._idle.values())

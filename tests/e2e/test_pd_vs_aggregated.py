@@ -172,7 +172,7 @@ TAMPERED = {
     ),
     "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
     "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
-    "prompt_digest_edited": (lambda p, n: {**p, "pd_prompt_digest": "1:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
+    "prompt_digest_edited": (lambda p, n: {**p, "pd_prompt_digest": "2:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
     # Connected already (earlier requests), so the claim is what times out. Counted on the
     # failed-load line alone: a lease extension to the dead port logs "no answer" too.
     "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "failed (no answer from 127.0.0.1"),

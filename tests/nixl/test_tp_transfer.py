@@ -191,14 +191,14 @@ def test_swapped_rank_shards_are_caught_by_the_byte_comparison():
     def swap(receivers):
         real = receivers[0]._peers._add_engine
 
-        def add_engine(key, answers):
+        def add_engine(key, answers, prefill):
             (r0, w0, s0), (r1, w1, s1) = answers
 
             def with_segments_of(w, other):
                 regions = [msgspec.structs.replace(a, segments=b.segments) for a, b in zip(w.regions, other.regions)]
                 return msgspec.structs.replace(w, regions=regions)
 
-            return real(key, [(r0, with_segments_of(w0, w1), s0), (r1, with_segments_of(w1, w0), s1)])
+            return real(key, [(r0, with_segments_of(w0, w1), s0), (r1, with_segments_of(w1, w0), s1)], prefill)
 
         receivers[0]._peers._add_engine = add_engine
 

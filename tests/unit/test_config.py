@@ -314,7 +314,9 @@ def test_port_range(port):
             parse({"side_channel_port": port})
 
 
-DURATIONS = ["lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds", "read_warn_seconds"]
+DURATIONS = [
+    "lease_seconds", "handshake_timeout_seconds", "claim_wait_seconds", "read_warn_seconds", "prefill_engine_idle_seconds",
+]
 
 
 @pytest.mark.parametrize("key", DURATIONS)

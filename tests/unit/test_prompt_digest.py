@@ -15,7 +15,7 @@ def test_token_fold_is_cpythons_64_bit_tuple_hash_known_answer():
     handoff (loudly); this pins the values so such a change shows in CI first."""
     assert token_fold([1, 2, 3], 0, 3) == 529344067295497451
     assert token_fold(list(range(10)), 0, 10) == -2040549277248155741
-    assert prompt_digest([1, 2, 3], 3) == "1:t:52bcd63b95cdd855b53c63a800c11872"
+    assert prompt_digest([1, 2, 3], 3) == "2:t:19828adde58a0a397d3a68012ea17cb8"
 
 
 @settings(max_examples=300, deadline=None)
@@ -41,7 +41,7 @@ def test_blocks_form_hashes_the_chain_and_folds_only_the_tail():
     prompt = list(range(100, 140))
     form = blocks_form("sha256", 16, "abcd")
     base = prompt_digest(prompt, 39, form=form, chain=b"x" * 32, chain_tokens=32)
-    assert base.startswith("1:b:sha256:16:abcd:") and form_of(base) == form
+    assert base.startswith("2:b:sha256:16:abcd:") and form_of(base) == form
     # Another chain (a change in the first 32 tokens, as vLLM's block hash sees it).
     assert prompt_digest(prompt, 39, form=form, chain=b"y" * 32, chain_tokens=32) != base
     # A change in the tail; a change in the chained tokens alone is the chain's to see.
@@ -56,6 +56,9 @@ def test_extra_keys_distinguish_adapter_salt_and_multimodal_items():
     plain = prompt_digest(prompt, 40)
     variants = [
         extra_keys(lora_name="sql"),
+        extra_keys(lora_name="sql", lora_files="files:aa"),
+        extra_keys(lora_name="sql", lora_files="files:bb"),
+        extra_keys(lora_name="chat", lora_files="files:aa"),
         extra_keys(cache_salt="tenant-a"),
         extra_keys([("img-1", 3, 10)], length=40),
         extra_keys([("img-1", 4, 10)], length=40),
@@ -67,9 +70,9 @@ def test_extra_keys_distinguish_adapter_salt_and_multimodal_items():
 
 
 def test_form_of_reads_only_our_fingerprints():
-    assert form_of("1:t:" + "0" * 32) == TOKENS
-    assert form_of("1:b:sha256_cbor:32:0a0b0c0d:" + "0" * 32) == "b:sha256_cbor:32:0a0b0c0d"
-    for other in ("", "abc", "2:t:00", "1:"):
+    assert form_of("2:t:" + "0" * 32) == TOKENS
+    assert form_of("2:b:sha256_cbor:32:0a0b0c0d:" + "0" * 32) == "b:sha256_cbor:32:0a0b0c0d"
+    for other in ("", "abc", "1:t:" + "0" * 32, "3:t:00", "2:"):
         assert form_of(other) == ""
 
 

@@ -45,7 +45,7 @@ def test_p_returns_the_prompt_fingerprint_and_the_lease_it_keeps_before_a_claim(
     req, params = prefill(p, PROMPT)
     r = params["replay_offset"]
     # vLLM hashes every block of every request when a connector is loaded: P reuses that chain.
-    assert params["pd_prompt_digest"].startswith("1:b:sha256:16:")
+    assert params["pd_prompt_digest"].startswith("2:b:sha256:16:")
     assert params["pd_prompt_digest"] == identity.prompt_fingerprint(req, r, *connector_half(p)._prefill.fingerprint_form)
     assert params["pd_lease_seconds"] == 7  # the claim deadline, below lease_seconds
     out, _ = run_step(p)
@@ -91,8 +91,8 @@ def test_cache_salt_and_lora_adapter_are_part_of_the_fingerprint(model_dir, p_kw
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT, **p_kw)
     d, _, _ = decode(model_dir, PROMPT, params, **d_kw)
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
-    # The same salt, and the same adapter under another server's numeric id, agree. (vLLM's
-    # block hashes, which the fingerprint reuses, also key on the adapter's path.)
+    # The same salt, and the same adapter under another server's numeric id, agree (the adapter
+    # by its files or, here, its path: tests/vllm/test_fingerprint_inputs.py).
     same = {k: (LoRARequest(v.lora_name, 7, v.lora_path) if k == "lora_request" else v) for k, v in p_kw.items()}
     d, _, _ = decode(model_dir, PROMPT, params, **same)
     assert "refused:prompt_mismatch" not in connector_half(d).stats
@@ -143,11 +143,21 @@ def test_a_fingerprint_in_the_tokens_form_is_checked_too(model_dir):
 
 def test_a_fingerprint_form_d_cannot_compute_is_refused_naming_the_settings(model_dir):
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
-    params = {**params, "pd_prompt_digest": "1:b:xxhash:16:deadbeef:" + "0" * 32}
+    params = {**params, "pd_prompt_digest": "2:b:xxhash:16:deadbeef:" + "0" * 32}
     d, _, out = decode(model_dir, PROMPT, params)
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
     (release,) = out.kv_connector_metadata.to_release
     assert "b:xxhash:16:deadbeef" in release.reason and "PYTHONHASHSEED" in release.reason
+
+
+def test_a_fingerprint_of_another_version_is_refused_naming_the_version(model_dir):
+    """Version 1 keyed LoRA adapters and multimodal items by name and path: not comparable."""
+    _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
+    params = {**params, "pd_prompt_digest": "1:" + params["pd_prompt_digest"].partition(":")[2]}
+    d, _, out = decode(model_dir, PROMPT, params)
+    assert connector_half(d).stats["refused:prompt_mismatch"] == 1
+    (release,) = out.kv_connector_metadata.to_release
+    assert "fingerprint version (this instance's: 2)" in release.reason
 
 
 def test_fingerprint_form_follows_the_engines_block_hashing(monkeypatch):

@@ -180,7 +180,8 @@ def make_request(
     **request_kw: Any,
 ) -> Request:
     """``block_size``: the scheduler's ``hash_block_size`` (16 unless make_scheduler was given
-    other block sizes); ``request_kw``: more ``Request`` arguments (cache_salt, lora_request)."""
+    other block sizes); ``request_kw``: more ``Request`` arguments (cache_salt, lora_request,
+    mm_features)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sp.update_from_generation_config({}, EOS)
     req = Request(
@@ -188,7 +189,7 @@ def make_request(
         prompt_token_ids=list(prompt),
         sampling_params=sp,
         pooling_params=None,
-        mm_features=None,
+        mm_features=request_kw.pop("mm_features", None),
         block_hasher=get_request_block_hasher(block_size, sha256),
         **request_kw,
     )
