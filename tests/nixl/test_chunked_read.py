@@ -32,6 +32,7 @@ from pd_connector.core.protocol import (
 )
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport.nixl import DONE, FAILED, PENDING, ChunkedRead
+from pd_connector.dev.testing import devices
 
 from test_transport import (
     ATTN,
@@ -84,7 +85,7 @@ def peered_pairs(seed: int, **transport_kw):
             d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
             made[kind, num_blocks] = (p, d)
         p, d = made[kind, num_blocks]
-        d.mem[:] = 0
+        devices.zero(d.buf)
         p.transport.take_notifications()
         return p, d
 
