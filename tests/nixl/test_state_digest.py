@@ -26,7 +26,9 @@ from pd_connector.engine.sender import Sender
 
 from test_chunked_read import COMPAT
 from test_state_repairing import LAYERS as GDN_LAYERS, _engine as gdn_engine
-from test_transport import ATTN, MAMBA, MAMBA_LAYERS, TIMEOUT_S, assert_bytes, expected_after, make_engine, read_and_wait
+from test_transport import (
+    ATTN, MAMBA, MAMBA_LAYERS, TIMEOUT_S, assert_bytes, expected_after, make_engine, read_and_wait,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -77,6 +79,12 @@ def test_d_digest_of_the_state_it_read_is_p_digest_and_a_flipped_page_changes_it
     assert d_dig.digest(blocks(PAIRS, 1), [MAMBA]) != sent
 
 
+def gdn_digester(engine) -> PageDigester:
+    """Page views of test_state_repairing's engine: one layer after the other in its buffer."""
+    layer_bytes = engine.buf.numel() // len(GDN_LAYERS)
+    return PageDigester({n: engine.buf[i * layer_bytes :] for i, n in enumerate(GDN_LAYERS)}, engine.regions)
+
+
 @pytest.mark.xfail(strict=True, reason="layout.state_rows_only trims every state region with scratch rows, the SSM "
                    "state too (rows = its leading dim): D (1 speculative token) hashes half of its SSM state, P (2) all "
                    "of it, so the digests differ although the READ moved the right bytes (test_state_repairing)")
@@ -86,8 +94,7 @@ def test_digest_matches_across_speculative_widths_after_the_read():
     p, d = gdn_engine(2, seed=1), gdn_engine(1, seed=2)
     try:
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)
-        views = lambda e: PageDigester({n: e.buf[i * (e.buf.numel() // len(GDN_LAYERS)) :] for i, n in enumerate(GDN_LAYERS)}, e.regions)  # noqa: E731
-        p_dig, d_dig = views(p), views(d)
+        p_dig, d_dig = gdn_digester(p), gdn_digester(d)
         sent = p_dig.digest([[4]], [0])
         assert d_dig.digest([[1]], [0]) != sent
         li, ri = d.transport.plan("p", [[(4, 1)]])

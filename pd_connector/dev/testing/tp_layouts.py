@@ -3,7 +3,8 @@
 Each rank's pages are laid out as vLLM shards them (segments from ``core/shards.py``) in one
 allocation (on ``PD_TEST_DEVICE``: ``devices.py``) registered with its own NIXL agent, and can be
 filled with bytes that are a function of the *global* unit (KV head, conv channel of a row, SSM
-head) and the source block, so any rank's expected bytes after a handoff are known without a reference implementation.
+head) and the source block, so any rank's expected bytes after a handoff are known without a
+reference implementation.
 """
 
 from __future__ import annotations
