@@ -6,9 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from pd_connector.core.params import PrefillRef
+from pd_connector.engine.vllm_bases import KVConnectorMetadata
 
 
 # slots: one of these per handoff, built inside vLLM's scheduling step (D's RecvTask: a Struct).

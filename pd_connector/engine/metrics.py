@@ -18,10 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from pd_connector.engine.vllm_bases import KVConnectorPromMetrics, KVConnectorStats
 
 HISTOGRAMS = {
     # name: (documentation, buckets)

@@ -3,6 +3,9 @@
 Tests marked ``nixl`` (all of ``test_transport.py``) are skipped, with the import error as the
 reason, when the ``nixl`` package cannot be imported. The side-channel tests only need pyzmq
 and msgspec and run either way.
+
+Buffers live on ``PD_TEST_DEVICE`` (cpu, the default, or cuda: ``pd_connector/dev/testing/devices.py``);
+asking for cuda where torch sees none is a usage error, not a skip.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 
 import pytest
 
+from pd_connector.dev.testing import devices
 from pd_connector.dev.testing.ports import free_port as free_port_below_ephemeral
 
 # Same default pd_connector.transport.nixl applies before it imports nixl (vLLM does it too).
@@ -25,6 +29,15 @@ except Exception as exc:  # ImportError, or a broken wheel failing on load
         f"nixl is not importable ({type(exc).__name__}: {exc}); "
         "install nixl==1.5.1 to run the real-NIXL transport tests"
     )
+
+
+def pytest_configure(config):
+    if (why := devices.unavailable()) is not None:
+        raise pytest.UsageError(why)
+
+
+def pytest_report_header(config):
+    return f"real-NIXL buffers on {devices.name()} ({devices.mem_type()}; {devices.ENV})"
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pd_connector.transport.nixl import DONE, NixlTransport
+from pd_connector.transport.nixl import DONE
 from pd_connector.engine.compat import regions_from_kv_caches
+from pd_connector.dev.testing import devices
 
 CONV_KERNEL, CONV_DIM = 4, 96
 SSM_SHAPE = (2, 16, 8)
@@ -34,8 +35,7 @@ def _engine(num_spec: int, seed: int):
         num_speculative_blocks=num_spec,
     )
     layer_bytes = NUM_BLOCKS * PAGE
-    buf = torch.zeros(len(LAYERS) * layer_bytes, dtype=torch.uint8)
-    buf.numpy()[:] = np.random.default_rng(seed).integers(0, 256, buf.numel(), dtype=np.uint8)
+    buf = devices.random_bytes(len(LAYERS) * layer_bytes, seed)
     tensor = SimpleNamespace(size=buf.numel(), layers=list(LAYERS), layer_stride=layer_bytes, block_stride=PAGE, offset=0)
     config = SimpleNamespace(
         kv_cache_groups=[SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=spec)],
@@ -44,13 +44,13 @@ def _engine(num_spec: int, seed: int):
     )
     kv_caches = {name: buf[i * layer_bytes :] for i, name in enumerate(LAYERS)}
     allocations, regions = regions_from_kv_caches(config, kv_caches, (0,))
-    transport = NixlTransport()
+    transport = devices.transport()
     transport.register(allocations, regions)
     return SimpleNamespace(buf=buf, transport=transport, regions=regions, conv_shape=conv_shape)
 
 
 def _states(engine, layer: int, block: int):
-    page = engine.buf.numpy()[layer * NUM_BLOCKS * PAGE + block * PAGE :][:PAGE]
+    page = devices.host(engine.buf)[layer * NUM_BLOCKS * PAGE + block * PAGE :][:PAGE]
     conv_bytes = int(np.prod(engine.conv_shape)) * 2
     ssm_bytes = int(np.prod(SSM_SHAPE)) * 4
     state_rows = (CONV_KERNEL - 1) * CONV_DIM * 2
@@ -64,7 +64,7 @@ def test_state_of_another_speculative_width_lands_where_d_reads_it(p_spec, d_spe
         assert [r.name for r in p.regions] == ["gdn.0#0", "gdn.0#1", "gdn.1#0", "gdn.1#1"]
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)
         local_idx, remote_idx = d.transport.plan("p", [[(4, 1)]])  # P's slot 4 -> D's slot 1
-        untouched_before = d.buf.numpy()[: NUM_BLOCKS * PAGE][2 * PAGE :].copy()
+        untouched_before = devices.host(d.buf)[: NUM_BLOCKS * PAGE][2 * PAGE :].copy()
         handle = d.transport.read("p", local_idx, remote_idx, b"")
         deadline = time.monotonic() + 10
         while (state := d.transport.state(handle)) != DONE and time.monotonic() < deadline:
@@ -76,7 +76,7 @@ def test_state_of_another_speculative_width_lands_where_d_reads_it(p_spec, d_spe
             d_conv, d_ssm = _states(d, layer, 1)
             assert np.array_equal(d_conv, p_conv), f"layer {layer}: conv state rows differ"
             assert np.array_equal(d_ssm, p_ssm), f"layer {layer}: SSM state not where D reads it"
-        assert np.array_equal(d.buf.numpy()[: NUM_BLOCKS * PAGE][2 * PAGE :], untouched_before)
+        assert np.array_equal(devices.host(d.buf)[: NUM_BLOCKS * PAGE][2 * PAGE :], untouched_before)
     finally:
         p.transport.close()
         d.transport.close()

@@ -1,4 +1,5 @@
-"""NixlTransport with two (or three) real NIXL agents in one process, UCX over DRAM.
+"""NixlTransport with two (or three) real NIXL agents in one process, UCX over DRAM
+(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/testing/devices.py``).
 
 The KV caches are CPU uint8 tensors placed the way vLLM's hybrid allocator places them
 (``KVCacheTensor``: layer ``layers[l]``'s page for block b at
@@ -27,6 +28,7 @@ from pd_connector.core.layout import LayoutError
 from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
 from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
 from pd_connector.engine.compat import regions_from_kv_caches
+from pd_connector.dev.testing import devices
 
 pytestmark = pytest.mark.nixl
 
@@ -108,9 +110,9 @@ class Engine:
 
     @property
     def mem(self) -> np.ndarray:
-        """The same bytes as a numpy view: byte checks stay single-threaded (torch's intra-op
-        pool makes many small ops crawl on a loaded 2-core box)."""
-        return self.buf.numpy()
+        """The same bytes as numpy (a view on CPU, a host copy on CUDA): byte checks stay
+        single-threaded (torch's intra-op pool makes many small ops crawl on a loaded 2-core box)."""
+        return devices.host(self.buf)
 
     def page(self, name: str, block: int) -> np.ndarray:
         off = self.placement.page_offset(name, block)
@@ -119,9 +121,7 @@ class Engine:
 
 def make_engine(kind: str, num_blocks: int, seed: int | None, **transport_kw) -> Engine:
     pl = placement(kind, num_blocks)
-    buf = torch.zeros(pl.nbytes, dtype=torch.uint8)
-    if seed is not None:
-        buf.numpy()[:] = np.random.default_rng(seed).integers(0, 256, pl.nbytes, dtype=np.uint8)
+    buf = devices.zeros(pl.nbytes) if seed is None else devices.random_bytes(pl.nbytes, seed)
     groups = [
         SimpleNamespace(
             layer_names=list(names), kv_cache_spec=SimpleNamespace(page_size_bytes=page)
@@ -136,7 +136,7 @@ def make_engine(kind: str, num_blocks: int, seed: int | None, **transport_kw) ->
     allocations, regions = regions_from_kv_caches(config, kv_caches, (ATTN, MAMBA))
     assert [r.name for r in regions] == [*ATTN_LAYERS, *MAMBA_LAYERS]
     assert allocations == [(buf.data_ptr(), pl.nbytes, 0)]
-    transport = NixlTransport(**transport_kw)
+    transport = devices.transport(**transport_kw)
     try:
         transport.register(allocations, regions)
     except Exception:
@@ -237,7 +237,7 @@ class _Pool:
         p, d = self.pairs[kind]
         if not d.transport.has_peer(PEER):
             d.transport.add_peer(PEER, p.transport.agent_metadata, p.regions)
-        d.mem[:] = 0
+        devices.zero(d.buf)
         for e in (p, d, *self.extra_p.values()):
             e.transport.take_notifications()
         return p, d
@@ -375,7 +375,7 @@ def test_read_again_after_peer_removed_and_re_added(engines):
     read_and_wait(d, pairs, b"a")
     d.transport.remove_peer(PEER)
     assert not d.transport.has_peer(PEER)
-    d.mem[:] = 0
+    devices.zero(d.buf)
     d.transport.add_peer(PEER, p.transport.agent_metadata, p.regions)
     read_and_wait(d, pairs, b"b")
     assert_bytes(d, want)
@@ -461,7 +461,7 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
         local_idx, remote_idx = d.transport.plan(PEER, pairs)
         assert local_idx.size == 5 * layers
         runs[name] = d.transport.count_runs(PEER, local_idx, remote_idx)
-        d.mem[:] = 0
+        devices.zero(d.buf)
         want, _ = expected_after(d, p, pairs)
         read_and_wait(d, pairs, name.encode())
         assert_bytes(d, want)
@@ -558,8 +558,8 @@ def test_add_peer_regions_outside_peer_registration_refused_by_nixl_then_retry_w
 
 def test_register_refuses_a_page_map_past_the_allocation():
     pl = placement("block_major_padded", 4)
-    buf = torch.zeros(pl.nbytes, dtype=torch.uint8)
-    t = NixlTransport()
+    buf = devices.zeros(pl.nbytes)
+    t = devices.transport()
     try:
         bad = [LayerRegion("attn.0", 0, buf.data_ptr(), pl.tensors[0].block_stride, 4096, 40)]
         with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
@@ -576,7 +576,7 @@ def test_an_agent_with_a_progress_delay_still_completes_reads_only_d_polls():
     d = make_engine("layer_major_dense", 56, seed=None)
     for eng in (p, d):
         eng.transport.close()
-        eng.transport = NixlTransport(progress_delay_us=100)
+        eng.transport = devices.transport(progress_delay_us=100)
         eng.transport.register([(eng.buf.data_ptr(), eng.placement.nbytes, 0)], eng.regions)
     try:
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions)

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from pd_connector.dev.testing import devices
 from pd_connector.dev.testing.netns import unavailable_reason
 
 pytestmark = [
     pytest.mark.nixl,
     pytest.mark.skipif(bool(unavailable_reason()), reason=f"two namespaced hosts: {unavailable_reason()}"),
+    pytest.mark.skipif(devices.on_cuda(), reason="DRAM between two namespaced hosts: nothing of it is on the GPU"),
 ]
 
 SMALL_CASE = [("llama-8b", 1024, 32, True)]

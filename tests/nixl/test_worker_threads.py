@@ -20,6 +20,7 @@ from pd_connector.core.params import PrefillRef
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
+from pd_connector.dev.testing import devices
 
 from test_chunked_read import COMPAT, granting_side_channel, peered_pairs, read_done
 from test_transport import (
@@ -90,7 +91,7 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
     li, ri = d.transport.plan("p", pairs)
     assert d.transport.count_runs("p", li, ri) > 2 * THREADS
     for attempt in range(3):
-        d.mem[:] = 0
+        devices.zero(d.buf)
         notif = f"big-{attempt}".encode()
         handle = d.transport.read("p", li, ri, notif)
         deadline = time.monotonic() + TIMEOUT_S

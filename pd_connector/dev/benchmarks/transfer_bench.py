@@ -72,6 +72,7 @@ class Bench:
                                                  self.args.pool_factor)
         p_side = build_side(geom, num_blocks, block_outer, self.device, seed=1)
         d_side = build_side(geom, num_blocks, block_outer, self.device, seed=None)
+        paths.sync(self.device)  # the fills are queued on a CUDA stream: done before any READ
         p_ids = choose_blocks(self.rng, num_blocks, counts, scattered, start=1)
         d_ids = choose_blocks(self.rng, num_blocks, counts, scattered, start=num_blocks - sum(counts))
         pairs = [list(zip(p.tolist(), d.tolist())) for p, d in zip(p_ids, d_ids)]

@@ -81,8 +81,8 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
             agent = rank.transport._agent  # the benchmark reaches into the transport on purpose
             for r, plan in plans_of.items():
                 peer = rank.transport._peers[keys[r]].agent_name
-                local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(rank.buf.data_ptr(), plan.nbytes, 0)], "DRAM")
-                remote = agent.prep_xfer_dlist(peer, [(p_ranks[r].buf.data_ptr(), plan.nbytes, 0)], "DRAM")
+                local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(rank.buf.data_ptr(), plan.nbytes, 0)], rank.transport.mem_type)
+                remote = agent.prep_xfer_dlist(peer, [(p_ranks[r].buf.data_ptr(), plan.nbytes, 0)], rank.transport.mem_type)
                 raws.append((local, remote))
             conn_s, raw_s = [], []
             for rep in range(reps + 1):  # the first pays UCX's connection set-up: not counted

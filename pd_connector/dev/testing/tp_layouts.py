@@ -1,9 +1,10 @@
 """Synthetic tensor-parallel ranks of a tiny hybrid, for in-process tests and the benchmark.
 
 Each rank's pages are laid out as vLLM shards them (segments from ``core/shards.py``) in one
-CPU allocation registered with its own NIXL agent, and can be filled with bytes that are a
-function of the *global* unit (KV head, conv channel of a row, SSM head) and the source block,
-so any rank's expected bytes after a handoff are known without a reference implementation.
+allocation (on ``PD_TEST_DEVICE``: ``devices.py``) registered with its own NIXL agent, and can be
+filled with bytes that are a function of the *global* unit (KV head, conv channel of a row, SSM
+head) and the source block, so any rank's expected bytes after a handoff are known without a
+reference implementation.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-import torch
 
 from pd_connector.core import shards
 from pd_connector.core.protocol import EngineCompat, GroupDesc, LayerRegion
-from pd_connector.transport.nixl import NixlTransport
+from pd_connector.dev.testing import devices
 
 ATTN_LAYERS = ("attn.0", "attn.1")
 
@@ -51,9 +51,7 @@ class Rank:
         conv_bytes, state_bytes = int(np.prod(conv)) * 2, int(np.prod(state)) * 2  # bf16-sized
         mamba_page = conv_bytes + state_bytes + 16  # padding at the page tail
         self.size = 2 * num_blocks * attn_page + num_blocks * mamba_page
-        self.buf = torch.zeros(self.size, dtype=torch.uint8)
-        if seed is not None:
-            self.buf.numpy()[:] = np.random.default_rng(seed).integers(0, 256, self.size, dtype=np.uint8)
+        self.buf = devices.zeros(self.size) if seed is None else devices.random_bytes(self.size, seed)
         base = self.buf.data_ptr()
         attn = shards.attention_segments(model.kv_heads, tp, r, model.head_bytes)
         regions = [
@@ -65,11 +63,11 @@ class Rank:
             segs = shards.recurrent_segments(model.kind, i, conv, state, (2, 2), False, 0, tp, r, model.n_groups % tp != 0)
             regions.append(LayerRegion(f"m#{i}", 1, addr, mamba_page, nbytes, num_blocks, rows=rows, segments=segs))
         self.regions = regions
-        self.transport = NixlTransport()
+        self.transport = devices.transport()
         self.transport.register([(base, self.size, 0)], regions)
 
     def mem(self) -> np.ndarray:
-        return self.buf.numpy()
+        return devices.host(self.buf)
 
     def expected(self, pairs: dict[int, list[tuple[int, int]]], before: np.ndarray | None = None) -> np.ndarray:
         """This rank's allocation with P block ``src``'s global pattern written into block
@@ -84,7 +82,7 @@ class Rank:
         return out
 
     def fill(self, blocks: dict[int, list[int]]) -> None:
-        self.mem()[:] = self.expected({g: [(b, b) for b in ids] for g, ids in blocks.items()})
+        devices.write(self.buf, self.expected({g: [(b, b) for b in ids] for g, ids in blocks.items()}))
 
     def close(self) -> None:
         self.transport.close()
