@@ -232,6 +232,24 @@ def regions_from_kv_caches(
     return list(allocations.values()), regions
 
 
+# The state that grows by the engine's speculative token count, per Mamba layer type: the conv
+# state, (conv_kernel - 1 + num_spec) rows (MambaStateShapeCalculator, vllm/model_executor/layers/
+# mamba/mamba_utils.py). Mamba1's conv state, every SSM/recurrent state and linear attention's
+# have no speculative rows; another type's states are never trimmed (copied or refused whole).
+# The conv state is these types' first state (``shapes[0]``).
+_CONV_WITH_SPECULATIVE_ROWS = frozenset({"MAMBA2", "SHORT_CONV", "GDN_ATTN"})
+
+
+def _conv_state_layout() -> str:
+    """vLLM's conv-state orientation, "SD" (its default) where vLLM is absent (the GPU check's
+    real-NIXL tests run without it)."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    except ImportError:
+        return "SD"
+    return "DS" if str(get_conv_state_layout()).upper().endswith("DS") else "SD"
+
+
 def _state_regions(page: LayerRegion, spec: Any, layer: str) -> list[LayerRegion]:
     """A Mamba layer's page as one region per state, padding left out.
 
@@ -248,6 +266,10 @@ def _state_regions(page: LayerRegion, spec: Any, layer: str) -> list[LayerRegion
     import torch
 
     scratch = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+    if getattr(getattr(spec, "mamba_type", None), "name", "") not in _CONV_WITH_SPECULATIVE_ROWS:
+        scratch = 0
+    elif scratch and _conv_state_layout() == "DS":
+        scratch = 0  # (channels, rows): the speculative rows are not leading rows
     out, offset = [], 0
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -258,7 +280,7 @@ def _state_regions(page: LayerRegion, spec: Any, layer: str) -> list[LayerRegion
                 addr=page.addr + offset,
                 page_bytes=nbytes,
                 rows=int(shape[0]) if shape else 0,
-                scratch_rows=scratch,
+                scratch_rows=scratch if i == 0 else 0,
             )
         )
         offset += nbytes

@@ -23,6 +23,7 @@ import pytest
 
 from pd_connector.dev.testing.cpu_matrix import DP_MODELS, random_prompt
 from pd_connector.dev.testing.dp_matrix import engines, make_instances, running, warm_up
+from pd_connector.dev.testing.router import VllmRouter, router_binary
 from pd_connector.dev.testing.tiny_models import build_model
 from pd_connector.engine.faults import RESUME_SHIFT
 
@@ -187,6 +188,41 @@ def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
     finally:
         proxy.stop()
     assert tokens["external_kv_transfer"] == sum(len(pr) - 1 for pr in prompts), tokens
+    for ref, got, pr in zip(refs, results, prompts):
+        assert got is not None and got.token_ids == ref.token_ids, f"{kind} n={len(pr)}"
+
+
+@pytest.mark.skipif(router_binary() is None, reason="vllm-router is not installed: run scripts/setup_router_venv.sh")
+def test_vllm_router_with_dp_aware_routing_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
+    """vllm-router's DP-aware routing (``--intra-node-data-parallel-size 2``: it steers each
+    request to a rank with ``X-data-parallel-rank``) in front of a DP-2 P and a DP-2 D: P's
+    params name the engine that prefilled, D's engines load every handoff, and a concurrent
+    batch matches aggregated serving."""
+    from pd_connector.dev.testing.oracle import complete
+
+    kind, inst = dp
+    p = d = inst["dp2"]
+    prompts = [random_prompt(n, seed=71) for n in (44, 65, 86, 107, 128, 149)]
+    refs = [d.reference(pr, MAX_TOKENS) for pr in prompts]
+    results: list = [None] * len(prompts)
+    dp_args = ["--intra-node-data-parallel-size", str(p.dp), "--api-key", "pd-e2e"]
+    # One kv_both instance is both pools: vllm-router keys workers by URL, so P goes by another
+    # name of the same address (else the decode pool replaces the prefill one: "0 prefill").
+    prefill_url = p.server.base_url.replace("127.0.0.1", "localhost")
+    with VllmRouter([prefill_url], [d.server.base_url], tmp_path / "vllm-router.log", extra_args=dp_args) as router:
+        before = [d.prompt_tokens(j) for j in range(d.dp)]
+
+        def run(i):
+            results[i] = complete(router.url, "tiny", prompts[i], MAX_TOKENS, timeout=300)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        loaded = [delta(before[j], d.prompt_tokens(j))["external_kv_transfer"] for j in range(d.dp)]
+    assert sum(loaded) == sum(len(pr) - 1 for pr in prompts), f"{kind}: tokens each D engine loaded: {loaded}"
+    assert all(x > 0 for x in loaded), f"{kind}: the router steered no handoff to a D rank: {loaded}"
     for ref, got, pr in zip(refs, results, prompts):
         assert got is not None and got.token_ids == ref.token_ids, f"{kind} n={len(pr)}"
 

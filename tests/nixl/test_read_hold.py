@@ -27,7 +27,7 @@ from pd_connector.engine.sender import Sender
 from pd_connector.transport.nixl import PENDING
 from pd_connector.dev.testing import devices
 
-from test_chunked_read import COMPAT
+from test_chunked_read import COMPAT, load_one
 from test_transport import MAMBA_LAYERS, ATTN_LAYERS, TIMEOUT_S, expected_after, make_engine
 
 pytestmark = [
@@ -36,7 +36,8 @@ pytestmark = [
                        "threads makes (over VRAM the post is asynchronous: one slice), and writes P's pages in place"),
 ]
 
-LEASE_S = 0.6
+# Long enough for a claim on a loaded box, short enough to wait out.
+LEASE_S = 2.0
 PAIRS = [[(1, 3), (7, 9), (4, 5)], [(3, 11)]]  # (P block, D block) per group
 
 
@@ -62,9 +63,15 @@ def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bo
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     receiver._chunk_bytes = 8192  # 4 KiB pages: several slices per READ
     want, _ = expected_after(d, p, PAIRS)
+    blocks = [[s for s, _ in g] for g in PAIRS]
     try:
-        sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, [[s for s, _ in g] for g in PAIRS])})
-        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
+        # A first handoff connects D to P, so the short lease below times the READ, not a
+        # handshake on a loaded box.
+        sender.grant({"P-r0": SendLease(time.monotonic() + TIMEOUT_S, 15, blocks)})
+        load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r0"), PAIRS, 16, 15, blocks))
+        d.mem[:] = 0
+        sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, blocks)})
+        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks))
         deadline = time.monotonic() + TIMEOUT_S
         while not receiver._reads:  # connect, claim, first slice
             receiver.advance()

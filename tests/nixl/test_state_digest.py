@@ -1,10 +1,10 @@
 """The optional recurrent-state digest (``engine/digest.py``, ``verify_state_digest``) over real
 NIXL READs, with its buffers on the test device (``PD_TEST_DEVICE``; CUDA tensors on a GPU):
-P's SHA-256 of the state pages it sends equals D's of the pages it received (between
-engines of different speculative widths it does not yet: the xfail below); D's page views alias the registered
-memory, so the fault injector's page flip lands in it and changes the digest; and through the
-production Sender and Receiver a handoff whose state D corrupted fails the load, one that D
-left alone loads.
+P's SHA-256 of the state pages it sends equals D's of the pages it received (between engines
+of different speculative widths too: only the conv state has speculative rows); D's page views
+alias the registered memory, so the fault injector's page flip lands in it and changes the
+digest; and through the production Sender and Receiver a handoff whose state D corrupted fails
+the load, one that D left alone loads.
 """
 
 from __future__ import annotations
@@ -85,12 +85,11 @@ def gdn_digester(engine) -> PageDigester:
     return PageDigester({n: engine.buf[i * layer_bytes :] for i, n in enumerate(GDN_LAYERS)}, engine.regions)
 
 
-@pytest.mark.xfail(strict=True, reason="layout.state_rows_only trims every state region with scratch rows, the SSM "
-                   "state too (rows = its leading dim): D (1 speculative token) hashes half of its SSM state, P (2) all "
-                   "of it, so the digests differ although the READ moved the right bytes (test_state_repairing)")
 def test_digest_matches_across_speculative_widths_after_the_read():
-    """P with 2 speculative tokens, D with 1: the conv state is wider on P, the digest covers
-    the state rows only (``layout.state_rows_only``), so P's and D's should agree after the READ."""
+    """Regression: every state of a Mamba layer carried the engine's speculative row count, so
+    the digest trimmed the SSM state too (rows = its heads) and P (2 speculative tokens) and D
+    (1) hashed different parts of the same bytes. Only the conv state has speculative rows
+    (``compat._state_regions``); the digest covers its state rows and the whole SSM state."""
     p, d = gdn_engine(2, seed=1), gdn_engine(1, seed=2)
     try:
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)

@@ -33,6 +33,7 @@ def _engine(num_spec: int, seed: int):
         shapes=(conv_shape, SSM_SHAPE),
         dtypes=(torch.bfloat16, torch.float32),
         num_speculative_blocks=num_spec,
+        mamba_type=SimpleNamespace(name="GDN_ATTN"),
     )
     layer_bytes = NUM_BLOCKS * PAGE
     buf = devices.random_bytes(len(LAYERS) * layer_bytes, seed)
