@@ -55,6 +55,24 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in after}
 
 
+def complete_concurrently(url: str, prompts: list) -> list:
+    """Every prompt sent at once to a router in front of the instances; each one's Completion
+    (None where it failed: the caller's comparison names it)."""
+    from pd_connector.dev.testing.oracle import complete
+
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        results[i] = complete(url, "tiny", prompts[i], MAX_TOKENS, timeout=300)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
 def label(inst, rank) -> str:
     return f"{inst.name}[dp{rank}]"
 
@@ -164,7 +182,6 @@ def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
     """``pd-connector proxy`` with a DP-2 P and a DP-2 D: vLLM's load balancers pick the ranks,
     P's params name the one that prefilled, and a concurrent batch matches aggregated serving
     with D's engines loading every handoff."""
-    from pd_connector.dev.testing.oracle import complete
     from pd_connector.dev.testing.proxy_process import ProxyProcess
 
     kind, inst = dp
@@ -172,18 +189,9 @@ def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
     prompts = [random_prompt(n, seed=61) for n in (45, 66, 87, 108, 129, 150)]
     refs = [d.reference(pr, MAX_TOKENS) for pr in prompts]
     proxy = ProxyProcess(p.server.base_url, d.server.base_url, tmp_path / "proxy.log", {"PYTHONPATH": p.server.env.get("PYTHONPATH", "")})
-    results: list = [None] * len(prompts)
     try:
         before = d.prompt_tokens()
-
-        def run(i):
-            results[i] = complete(proxy.url, "tiny", prompts[i], MAX_TOKENS, timeout=300)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = complete_concurrently(proxy.url, prompts)
         tokens = delta(before, d.prompt_tokens())
     finally:
         proxy.stop()
@@ -198,28 +206,17 @@ def test_vllm_router_with_dp_aware_routing_in_front_of_dp_instances_matches_aggr
     request to a rank with ``X-data-parallel-rank``) in front of a DP-2 P and a DP-2 D: P's
     params name the engine that prefilled, D's engines load every handoff, and a concurrent
     batch matches aggregated serving."""
-    from pd_connector.dev.testing.oracle import complete
-
     kind, inst = dp
     p = d = inst["dp2"]
     prompts = [random_prompt(n, seed=71) for n in (44, 65, 86, 107, 128, 149)]
     refs = [d.reference(pr, MAX_TOKENS) for pr in prompts]
-    results: list = [None] * len(prompts)
     dp_args = ["--intra-node-data-parallel-size", str(p.dp), "--api-key", "pd-e2e"]
     # One kv_both instance is both pools: vllm-router keys workers by URL, so P goes by another
     # name of the same address (else the decode pool replaces the prefill one: "0 prefill").
     prefill_url = p.server.base_url.replace("127.0.0.1", "localhost")
     with VllmRouter([prefill_url], [d.server.base_url], tmp_path / "vllm-router.log", extra_args=dp_args) as router:
         before = [d.prompt_tokens(j) for j in range(d.dp)]
-
-        def run(i):
-            results[i] = complete(router.url, "tiny", prompts[i], MAX_TOKENS, timeout=300)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = complete_concurrently(router.url, prompts)
         loaded = [delta(before[j], d.prompt_tokens(j))["external_kv_transfer"] for j in range(d.dp)]
     assert sum(loaded) == sum(len(pr) - 1 for pr in prompts), f"{kind}: tokens each D engine loaded: {loaded}"
     assert all(x > 0 for x in loaded), f"{kind}: the router steered no handoff to a D rank: {loaded}"
