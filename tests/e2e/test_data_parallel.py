@@ -5,7 +5,7 @@ Two ``kv_both`` instances per model behind one API server each (vLLM's internal 
 ``dev/testing/dp_matrix.py``): "dp2" with ``--data-parallel-size 2`` and "dp1" with one engine.
 llama's dp1 runs at TP 2, so P DP 2 x TP 1 -> D DP 1 x TP 2 is the unequal-TP DP x TP cell;
 nemotron_h is the Mamba2 hybrid. (vLLM CPU 0.32 runs no MoE model at DP 2, docs/testing.md: the
-lockstep and expert-parallel cases are covered in process, tests/vllm/test_data_parallel.py.)
+lockstep and expert-parallel cases are covered in process, tests/vllm/test_scheduler_data_parallel.py.)
 A request goes to DP rank k with ``X-data-parallel-rank``; each cell is one P engine -> one D
 engine, checked token for token against D's engine serving the prompt itself, with that D
 engine's ``vllm:prompt_tokens_by_source`` (labelled by engine) showing R tokens from P and N - R

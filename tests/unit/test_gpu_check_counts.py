@@ -8,7 +8,7 @@ from pd_connector.dev import gpu_check
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
 <testcase classname="tests.nixl.test_transport" name="test_ok" time="0.1" />
 <testcase classname="tests.nixl.test_transport" name="test_bad" time="0.1"><failure message="boom">x</failure></testcase>
-<testcase classname="tests.nixl.test_read_hold" name="test_sliced" time="0"><skipped type="pytest.skip" message="needs a READ in several slices">s</skipped></testcase>
+<testcase classname="tests.nixl.test_reads_outliving_their_lease" name="test_sliced" time="0"><skipped type="pytest.skip" message="needs a READ in several slices">s</skipped></testcase>
 <testcase classname="tests.nixl.test_state_digest" name="test_digest" time="0.1" />
 <testcase classname="tests.nixl.test_state_digest" name="test_widths" time="0.1"><skipped type="pytest.xfail" message="known" /></testcase>
 </testsuite></testsuites>"""
