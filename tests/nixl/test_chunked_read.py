@@ -180,10 +180,10 @@ COMPAT = EngineCompat(
 )
 
 
-def granting_side_channel(p, port: int) -> side_channel.SideChannelServer:
-    """P's side channel as a Receiver needs it: it welcomes D (as engine "p"), grants every
+def granting_side_channel(p, port: int, engine_id: str = "p") -> side_channel.SideChannelServer:
+    """P's side channel as a Receiver needs it: it welcomes D (as ``engine_id``), grants every
     claim and acknowledges every release."""
-    welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
+    welcome = Welcome(engine_id, p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
 
     def serve(message):
         if isinstance(message, Hello):

@@ -11,12 +11,11 @@ import pytest
 
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import PrefillRef
-from pd_connector.core.protocol import Ack, Claim, Granted, Hello, Reject, Release, Welcome
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.receiver import Receiver
 from pd_connector.transport import side_channel
 
-from test_chunked_read import COMPAT, load_one
+from test_chunked_read import COMPAT, granting_side_channel, load_one
 from test_transport import P_BLOCKS, TIMEOUT_S, assert_bytes, expected_after, make_engine
 
 pytestmark = pytest.mark.nixl
@@ -29,18 +28,7 @@ RESTARTS = 10
 
 def serve_as(p, engine_id: str, port: int) -> side_channel.SideChannelServer:
     """P's side channel under ``engine_id``: welcomes D, grants every claim, acks releases."""
-    welcome = Welcome(engine_id, p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-
-    def serve(message):
-        if isinstance(message, Hello):
-            return welcome
-        if isinstance(message, Claim):
-            return Granted(lease_seconds=30.0)
-        if isinstance(message, Release):
-            return Ack()
-        return Reject(reason="unexpected")
-
-    return side_channel.SideChannelServer("127.0.0.1", port, serve)
+    return granting_side_channel(p, port, engine_id)
 
 
 def advance_until(receiver: Receiver, done, timeout: float = TIMEOUT_S) -> None:

@@ -12,7 +12,6 @@ one D rank loaded and computed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,10 @@ from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
 from pd_connector.dev.testing.oracle import Completion, complete
 from pd_connector.dev.testing.placement import cpu_binds
 from pd_connector.dev.testing.ports import free_ports
-from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
+from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
 from pd_connector.dev.testing.stack import kv_transfer_config, tp_args
+# The same lifecycle as the TP matrix's: start together, stop every one.
+from pd_connector.dev.testing.tp_matrix import running  # noqa: F401
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 RANK_HEADER = "X-data-parallel-rank"
@@ -129,14 +130,3 @@ def warm_up(instances: dict[str, DPInstance], timeout: float = 600.0) -> None:
     for p, k in engines(instances):
         for d, j in engines(instances):
             d.decode(prompt, p.prefill(prompt, rank=k, timeout=timeout), 1, rank=j, timeout=timeout)
-
-
-@contextmanager
-def running(instances: dict[str, DPInstance], timeout: float = 900.0):
-    servers = [inst.server for inst in instances.values()]
-    try:
-        start_many(servers, timeout=timeout)
-        yield instances
-    finally:
-        for server in servers:
-            server.stop()
