@@ -74,6 +74,8 @@ class Lease(NamedTuple):
     done: frozenset[str] = frozenset()  # readers that completed
     closing: bool = False  # released whole by D's scheduler: no new claims
     cap: float = float("inf")  # no claim or extension keeps the lease past this
+    # Prompt checkpoints below the offset leased with it: (position, block ids per group).
+    checkpoints: frozenset[tuple[int, tuple[tuple[int, ...], ...]]] = frozenset()
 
     def reading(self) -> bool:
         """A granted reader has not completed: its READ may be in flight."""
@@ -94,6 +96,11 @@ class _Early(NamedTuple):
 
 def _frozen(block_ids) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(b) for b in group) for group in block_ids)
+
+
+def _frozen_checkpoints(checkpoints) -> frozenset[tuple[int, tuple[tuple[int, ...], ...]]]:
+    """``protocol.CheckpointBlocks`` (or anything with ``position`` and ``block_ids``) as set items."""
+    return frozenset((int(c.position), _frozen(c.block_ids)) for c in checkpoints)
 
 
 class LeaseTable:
@@ -126,11 +133,16 @@ class LeaseTable:
         digest: str = "",
         requests: int = 1,
         now: float | None = None,
+        checkpoints: Sequence = (),
     ) -> None:
         """Lease ``request_id``'s blocks until ``deadline``, for ``requests`` D requests, and at
-        most ``max_hold`` past ``now`` (the grant's time; default: the deadline's own bound)."""
+        most ``max_hold`` past ``now`` (the grant's time; default: the deadline's own bound);
+        ``checkpoints``: the prompt checkpoints leased with them (``protocol.CheckpointBlocks``)."""
         cap = (deadline if now is None else now) + self.max_hold
-        lease = Lease(deadline, offset, _frozen(block_ids), digest, max(1, requests), cap=cap)
+        lease = Lease(
+            deadline, offset, _frozen(block_ids), digest, max(1, requests), cap=cap,
+            checkpoints=_frozen_checkpoints(checkpoints),
+        )
         early = self._early.pop(request_id, None)
         if early is not None:
             lease = lease._replace(readers=early.readers, done=early.done, closing=early.whole)
@@ -149,10 +161,12 @@ class LeaseTable:
         readers: int = 1,
         reader: str = "",
         digest: str | None = None,
+        checkpoints: Sequence = (),
     ) -> tuple[str, str]:
         """(outcome, explanation) for D's claim; on GRANTED the deadline becomes at least
         ``extend_to``, ``reader`` counts as reading until it completes, and the lease waits for
-        at least ``readers`` completions per D request. ``digest`` None: not compared."""
+        at least ``readers`` completions per D request. ``digest`` None: not compared.
+        ``checkpoints``: the prompt checkpoints D reads too, each one this lease holds."""
         lease = self._leases.get(request_id)
         if lease is None:
             if request_id in self._expired:
@@ -168,6 +182,12 @@ class LeaseTable:
                 f"claim for {request_id} (offset {offset}, blocks {list(map(list, claimed))}) "
                 f"does not match the lease (offset {lease.offset}, blocks "
                 f"{list(map(list, lease.block_ids))}): parameters altered in transit"
+            )
+        stray = _frozen_checkpoints(checkpoints) - lease.checkpoints
+        if stray:
+            return MISMATCH, (
+                f"claim for {request_id} reads checkpoints {sorted(stray)} this instance did not lease "
+                f"with it ({sorted(lease.checkpoints)}): parameters altered in transit"
             )
         if digest is not None and digest != lease.digest:
             return PROMPT_MISMATCH, (

@@ -12,7 +12,15 @@ from typing import Annotated
 
 import msgspec
 
-from pd_connector.core.protocol import MAX_TP, PROTOCOL_VERSION, ProtocolError
+# MAX_BLOCK_ID and BlockId are the params' block ids too (re-exported: tests and callers import them here).
+from pd_connector.core.protocol import (  # noqa: F401
+    MAX_BLOCK_ID,
+    MAX_TP,
+    PROTOCOL_VERSION,
+    BlockId,
+    CheckpointBlocks,
+    ProtocolError,
+)
 
 # kv_transfer_params keys added to vLLM NixlConnector's (a superset, so routers that forward the
 # dict opaquely keep working).
@@ -27,6 +35,13 @@ KEY_DECODE_REQUESTS = "pd_decode_requests"
 # a claim or an extension (D's queued handoffs are extended every third of it).
 KEY_PROMPT_DIGEST = "pd_prompt_digest"
 KEY_LEASE_SECONDS = "pd_lease_seconds"
+# P -> D: prompt checkpoints below the offset (core/checkpoints.py), versioned on their own so
+# a D that cannot place them refuses them alone, never the handoff:
+# {"version": CHECKPOINTS_VERSION, "states": [{"position": p, "block_ids": [[...], ...]}]}.
+KEY_CHECKPOINTS = "pd_checkpoints"
+CHECKPOINTS_VERSION = 1
+# Most checkpoints one handoff may carry (vLLM keeps at most two per prompt; bounds the claim).
+MAX_CHECKPOINTS = 16
 # Largest pd_decode_requests P accepts (vLLM's own n is unbounded; a lease waits for each).
 MAX_DECODE_REQUESTS = 1024
 
@@ -41,12 +56,6 @@ PREFILL_REQUEST_PARAMS: dict = {
     "remote_host": None,
     "remote_port": None,
 }
-
-MAX_BLOCK_ID = 2**31 - 1
-# A block id P may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
-# Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
-# step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
-BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
 
 
 class PrefillRef(msgspec.Struct, frozen=True):
@@ -105,12 +114,13 @@ def encode_handoff_params(
     tp_size: int = 1,
     prompt_digest: str = "",
     lease_seconds: float | None = None,
+    checkpoints: list[CheckpointBlocks] | None = None,
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
     kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
-    work unchanged, plus ``replay_offset``, the protocol version, the prompt fingerprint and
-    P's initial lease length."""
-    return {
+    work unchanged, plus ``replay_offset``, the protocol version, the prompt fingerprint,
+    P's initial lease length and, when there are any, the prompt checkpoints below the offset."""
+    params = {
         "do_remote_prefill": offset > 0,
         "do_remote_decode": False,
         "remote_block_ids": source,
@@ -129,6 +139,40 @@ def encode_handoff_params(
         KEY_PROMPT_DIGEST: prompt_digest,
         KEY_LEASE_SECONDS: lease_seconds,
     }
+    if checkpoints:
+        params[KEY_CHECKPOINTS] = {
+            "version": CHECKPOINTS_VERSION,
+            "states": [{"position": c.position, "block_ids": c.block_ids} for c in checkpoints],
+        }
+    return params
+
+
+class _Checkpoints(msgspec.Struct, frozen=True):
+    version: int
+    states: Annotated[list[CheckpointBlocks], msgspec.Meta(max_length=MAX_CHECKPOINTS)]
+
+
+def decode_checkpoints(raw: object) -> list[CheckpointBlocks]:
+    """P's prompt checkpoints from D's ``kv_transfer_params`` ([] when there are none), or
+    ``ProtocolError`` (kinds ``checkpoint_version``, ``checkpoint_malformed``): D then refuses
+    the checkpoints only and still loads the handoff (decoded apart from ``HandoffParams``,
+    whose validation would refuse it whole)."""
+    if not isinstance(raw, dict) or raw.get(KEY_CHECKPOINTS) is None:
+        return []
+    field = raw[KEY_CHECKPOINTS]
+    version = field.get("version") if isinstance(field, dict) else None
+    if version != CHECKPOINTS_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            "checkpoint_version",
+            f"{KEY_CHECKPOINTS} version {reprlib.repr(version)}, this instance reads version "
+            f"{CHECKPOINTS_VERSION}; the checkpoints are not loaded (the handoff is)",
+        )
+    try:
+        return msgspec.convert(field, _Checkpoints, strict=True).states
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("checkpoint_malformed", f"{KEY_CHECKPOINTS}: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("checkpoint_malformed", f"{KEY_CHECKPOINTS} nested too deeply") from None
 
 
 def decode_handoff_params(raw: object) -> HandoffParams:

@@ -24,7 +24,9 @@ import msgspec
 #      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold. A KV
 #      head's segment is the head's own bytes (never a share of a padded page), a "replicated"
 #      segment for pages every rank holds whole, and LayerRegion.reason.
-PROTOCOL_VERSION = 4
+#   5: prompt checkpoints below the offset: pd_checkpoints in the params (their own version,
+#      CHECKPOINTS_VERSION in params.py), the ones D reads in Claim.checkpoints.
+PROTOCOL_VERSION = 5
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -36,6 +38,12 @@ Readers = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
 
 # Largest side-channel message we accept; bounds memory a misbehaving peer can make us use.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+MAX_BLOCK_ID = 2**31 - 1
+# A block id a peer may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
+# Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
+# step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
+BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
 
 
 class ProtocolError(ValueError):
@@ -181,6 +189,15 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     readers: Readers = 1
 
 
+class CheckpointBlocks(msgspec.Struct, frozen=True):
+    """A prompt checkpoint below the offset (core/checkpoints.py): the recurrent state after
+    ``position`` tokens, in P's blocks ``block_ids``, one list per transfer group (empty for an
+    attention group, the state's block for a Mamba group). In the params and in the claim."""
+
+    position: Annotated[int, msgspec.Meta(gt=0)]
+    block_ids: list[list[BlockId]]
+
+
 class Claim(msgspec.Struct, tag="claim", frozen=True):
     """D -> P, before every READ: "I am about to read these blocks of your request at this
     offset". P grants it only if that is exactly what it leased for the request, and extends
@@ -201,6 +218,9 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     # D's own fingerprint of its prompt[:replay_offset] (core/prompt_digest.py): P grants only
     # if it is the one P computed, so a fingerprint rewritten in the params cannot pass.
     prompt_digest: str = ""
+    # The prompt checkpoints D reads with the offset's blocks: each one P leased (D may read
+    # fewer than P offered, never another).
+    checkpoints: list[CheckpointBlocks] = []
 
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):

@@ -1,0 +1,200 @@
+"""Prompt checkpoints below the replay offset: the recurrent states an aggregated server keeps
+in its prefix cache for a prompt, which of them P hands over besides the state at R, and which
+of those D registers (docs/architecture.md, "Prefix caching across the handoff").
+
+vLLM's rule (Mamba ``align`` mode, the only mode that keeps states; 0.32 and 0.33 have no
+``all``): prefilling a prompt of N tokens in one chunk, ``Scheduler._mamba_block_aligned_split``
+ends a chunk at the last cacheable block position ``get_mamba_prefill_checkpoint_position(N, B,
+drop)`` and, with fine-grained hits (a ``prefix_match_unit`` u below the Mamba block B), at the
+prompt's tail checkpoint ``get_mamba_prefill_checkpoint_position(N, u, drop)``; a backend that
+exports checkpoints inside a chunk (``num_prefill_checkpoint_blocks > 0``: Mamba2, KDA; not GDN)
+writes the tail checkpoint without a split instead. ``MambaManager.cache_blocks`` keeps the
+block state (``reachable_block_mask`` over ``replay_boundaries``, every retention interval) and
+``_cache_partial_tail_block`` the sub-block one. Multi-module MTP moves a chunk end within
+``num_prefill_lookahead`` of the prompt's end (``_reserve_prefill_lookahead``) and caches
+nothing in the last ``lookahead - 1`` computed tokens (``get_num_cacheable_tokens``).
+
+P, truncated to R, keeps the checkpoints of an R-token prompt; D registers a received state
+where its own vLLM would have kept it for the N-token prompt. Pure: ints and msgspec Structs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from pd_connector.core.handoff import mamba_checkpoint_position
+from pd_connector.core.pairing import MAMBA, NULL_BLOCK, GroupLayout, cdiv
+from pd_connector.core.protocol import CheckpointBlocks
+
+
+class CheckpointRule(msgspec.Struct, frozen=True):
+    """What decides where one engine keeps a prompt's recurrent states (from its vLLM config,
+    engine/compat.py ``checkpoint_rule_from_vllm``). ``unit`` 0: no prefix caching of
+    recurrent state (``mamba_cache_mode`` none), so no checkpoint at all."""
+
+    block_size: int = 0  # the Mamba groups' block size B
+    unit: int = 0  # cache-hit alignment u (RecomputeProfile.replay_grid)
+    eagle_drop: bool = False  # SpeculativeConfig.use_eagle_block_drop()
+    exports: bool = False  # every Mamba backend exports prefill checkpoints (Mamba2, KDA)
+    prefill_lookahead: int = 0  # VllmConfig.num_prefill_lookahead_tokens
+
+    @property
+    def keeps_states(self) -> bool:
+        return self.unit > 0 and self.block_size > 0
+
+    @property
+    def fine_grained(self) -> bool:
+        """Hits (and the tail checkpoint) at a unit below the block: sub-block states."""
+        return 0 < self.unit < self.block_size
+
+
+def _export_valid(prompt_len: int, checkpoint: int, rule: CheckpointRule) -> bool:
+    """``is_mamba_prefill_checkpoint_valid`` for a single chunk [0, prompt_len) (alignment 1)."""
+    return checkpoint >= rule.unit and checkpoint < prompt_len and cdiv(prompt_len, rule.block_size) >= 2
+
+
+def kept_checkpoints(prompt_len: int, rule: CheckpointRule, computed: int | None = None) -> tuple[int, ...]:
+    """Positions (ascending, in (0, prompt_len)) whose recurrent state an engine with ``rule``
+    keeps in its prefix cache after prefilling a ``prompt_len``-token prompt in one chunk and
+    computing ``computed`` tokens in all (None: it decoded past its multi-module MTP tail, as an
+    aggregated server does; P stops at exactly its prompt). A state more than one chunk ends
+    on (a prompt longer than the token budget) is not predicted: where the budget falls
+    depends on the rest of the batch."""
+    if not rule.keeps_states or prompt_len <= 1:
+        return ()
+    drop, lookahead = rule.eagle_drop, rule.prefill_lookahead
+    reprefillable = max(0, lookahead - 1)
+    tail = mamba_checkpoint_position(prompt_len, rule.unit, drop)
+    if rule.exports and _export_valid(prompt_len, tail, rule):
+        # Written into the reserved block and re-keyed there whatever the caching step counts.
+        return (tail,)
+    block = mamba_checkpoint_position(prompt_len, rule.block_size, drop)
+    # (position, how it is kept): the block state on the replay boundary's block
+    # (reachable_block_mask), the sub-block tail by a caching step that ends exactly on it,
+    # which the re-prefillable tail moves off it (_cache_partial_tail_block).
+    ends = [(block, "block")]
+    if rule.fine_grained and block < tail < prompt_len and not reprefillable:
+        ends.append((tail, "tail"))
+    cacheable = prompt_len + 10**9 if computed is None else computed - reprefillable
+    kept = [
+        p
+        for p, how in ends
+        # A chunk end within the lookahead of the prompt's end is moved off the grid.
+        if p > 0 and not 0 < prompt_len - p < lookahead and (how == "tail" or p <= cacheable)
+    ]
+    return tuple(sorted(kept))
+
+
+def checkpoints_to_hand_over(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
+    """P's choice: the checkpoints an aggregated server keeps for the whole prompt that lie
+    below the offset R (R itself is the state handed over anyway) and that P, prefilling a
+    prompt truncated to R, computes and keeps too (``kept_checkpoints(R, computed=R)``)."""
+    if offset <= 0 or not rule.keeps_states:
+        return ()
+    held = set(kept_checkpoints(offset, rule, computed=offset))
+    return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p in held)
+
+
+def checkpoints_not_computed(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
+    """The aggregated server's checkpoints below R that P's truncated prefill never keeps (the
+    EAGLE drop on a block-aligned prompt: N - B, where P's prompt R = N - 1 checkpoints at
+    N - 2B). Nothing to hand over: D keeps them only as today, where the offset lands on one."""
+    if offset <= 0 or not rule.keeps_states:
+        return ()
+    handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule))
+    return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p not in handed)
+
+
+class Placement(msgspec.Struct, frozen=True):
+    """D's answer to P's checkpoints: the ones it registers, and why it refuses the others
+    (``(position, kind)``; the handoff itself is never refused for them)."""
+
+    placed: tuple[CheckpointBlocks, ...] = ()
+    refused: tuple[tuple[int, str], ...] = ()
+
+
+def place_checkpoints(
+    states: Sequence[CheckpointBlocks],
+    num_prompt_tokens: int,
+    offset: int,
+    layouts: tuple[GroupLayout, ...],
+    rule: CheckpointRule,
+) -> Placement:
+    """Which of P's checkpoint states D registers: each must name, per transfer group, no block
+    for an attention group and exactly one for each Mamba group, lie below the offset, and be a
+    position D's own vLLM keeps for this prompt (another block size or unit on D keeps others)."""
+    mine = set(kept_checkpoints(num_prompt_tokens, rule))
+    placed, refused = [], []
+    seen: set[int] = set()
+    for state in states:
+        p = state.position
+        if not rule.keeps_states:
+            kind = "no_prefix_cache"
+        elif len(state.block_ids) != len(layouts) or any(
+            len(ids) != (1 if layout.kind == MAMBA else 0) for layout, ids in zip(layouts, state.block_ids)
+        ):
+            kind = "groups"
+        elif not 0 < p < offset or p in seen:
+            kind = "out_of_range"
+        elif p not in mine:
+            kind = "not_kept_here"
+        else:
+            seen.add(p)
+            placed.append(state)
+            continue
+        refused.append((p, kind))
+    return Placement(tuple(placed), tuple(refused))
+
+
+def checkpoint_slot(position: int, block_size: int) -> tuple[int, bool]:
+    """Where vLLM keeps the state at ``position`` in a Mamba table: block index (slot p holds
+    the state after (p + 1) * B tokens), and whether it is a sub-block state (registered under
+    its fine-grained hash, ``BlockPool.cache_partial_block``) rather than a full block's."""
+    return cdiv(position, block_size) - 1, position % block_size != 0
+
+
+def checkpoint_pairs(
+    layouts: tuple[GroupLayout, ...], placed: Sequence[CheckpointBlocks], local: Sequence[Sequence[int]]
+) -> list[list[tuple[int, int]]]:
+    """D side: per transfer group, the ``(P block, D block)`` pairs that carry the placed
+    checkpoints, ``local[i]`` being D's block per Mamba group (transfer-group order) for
+    ``placed[i]``. Attention groups get none: D has their KV from the main pairs."""
+    mamba = [g for g, layout in enumerate(layouts) if layout.kind == MAMBA]
+    pairs: list[list[tuple[int, int]]] = [[] for _ in layouts]
+    if len(local) != len(placed):
+        raise ValueError(f"{len(local)} block lists for {len(placed)} checkpoints")
+    for state, blocks in zip(placed, local):
+        if len(blocks) != len(mamba) or NULL_BLOCK in blocks:
+            raise ValueError(f"checkpoint {state.position}: D blocks {list(blocks)} for {len(mamba)} Mamba groups")
+        for g, block in zip(mamba, blocks):
+            pairs[g].append((state.block_ids[g][0], block))
+    return pairs
+
+
+def state_blocks(layouts: tuple[GroupLayout, ...], position: int, by_group: dict[int, int]) -> CheckpointBlocks | None:
+    """P side: the wire form of the checkpoint at ``position`` from the blocks P pinned for it
+    (transfer-group index -> block); None unless every Mamba group has one."""
+    ids: list[list[int]] = []
+    for g, layout in enumerate(layouts):
+        if layout.kind != MAMBA:
+            ids.append([])
+        elif by_group.get(g, NULL_BLOCK) > NULL_BLOCK:
+            ids.append([by_group[g]])
+        else:
+            return None
+    return CheckpointBlocks(position, ids)
+
+
+__all__ = [
+    "CheckpointRule",
+    "Placement",
+    "checkpoint_pairs",
+    "checkpoint_slot",
+    "checkpoints_not_computed",
+    "checkpoints_to_hand_over",
+    "kept_checkpoints",
+    "place_checkpoints",
+    "state_blocks",
+]
