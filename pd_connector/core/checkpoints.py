@@ -14,8 +14,10 @@ block state (``reachable_block_mask`` over ``replay_boundaries``, every retentio
 ``num_prefill_lookahead`` of the prompt's end (``_reserve_prefill_lookahead``) and caches
 nothing in the last ``lookahead - 1`` computed tokens (``get_num_cacheable_tokens``).
 
-P, truncated to R, keeps the checkpoints of an R-token prompt; D registers a received state
-where its own vLLM would have kept it for the N-token prompt. Pure: ints and msgspec Structs.
+P, truncated to R, keeps the checkpoints of an R-token prompt, plus one block state it pins as
+the request's shared-prefix junction (a chunk stop that ``reachable_block_mask`` retains); D
+registers a received state where its own vLLM would have kept it for the N-token prompt. Pure:
+ints and msgspec Structs.
 """
 
 from __future__ import annotations
@@ -87,20 +89,43 @@ def kept_checkpoints(prompt_len: int, rule: CheckpointRule, computed: int | None
     return tuple(sorted(kept))
 
 
+def checkpoint_to_pin(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> int:
+    """A block state below R the aggregated server keeps and P's truncated prefill would not
+    (the EAGLE drop on a block-aligned prompt: N - B, where P's R = N - 1 checkpoints at N - 2B),
+    which P computes and keeps when pinned as its shared-prefix junction: the scheduler ends a
+    chunk there (``_mamba_block_aligned_split``, block-floored) and the manager retains it
+    (``reachable_block_mask``), where aggregated serving's own prefill ends one. 0 if none: P
+    caches nothing in its re-prefillable tail, and moves a chunk end within the lookahead."""
+    if offset <= 0 or not rule.keeps_states:
+        return 0
+    held = set(kept_checkpoints(offset, rule, computed=offset))
+    cacheable = offset - max(0, rule.prefill_lookahead - 1)
+    pins = [
+        p
+        for p in kept_checkpoints(num_prompt_tokens, rule)
+        if p < offset and p not in held and p % rule.block_size == 0 and p <= cacheable
+        and not 0 < offset - p < rule.prefill_lookahead
+    ]
+    return pins[-1] if pins else 0
+
+
 def checkpoints_to_hand_over(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
     """P's choice: the checkpoints an aggregated server keeps for the whole prompt that lie
     below the offset R (R itself is the state handed over anyway) and that P, prefilling a
-    prompt truncated to R, computes and keeps too (``kept_checkpoints(R, computed=R)``)."""
+    prompt truncated to R, computes and keeps too (``kept_checkpoints(R, computed=R)``, and the
+    one it pins, ``checkpoint_to_pin``)."""
     if offset <= 0 or not rule.keeps_states:
         return ()
     held = set(kept_checkpoints(offset, rule, computed=offset))
+    held.add(checkpoint_to_pin(num_prompt_tokens, offset, rule))
     return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p in held)
 
 
 def checkpoints_not_computed(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
-    """The aggregated server's checkpoints below R that P's truncated prefill never keeps (the
-    EAGLE drop on a block-aligned prompt: N - B, where P's prompt R = N - 1 checkpoints at
-    N - 2B). Nothing to hand over: D keeps them only as today, where the offset lands on one."""
+    """The aggregated server's checkpoints below R that P's truncated prefill never keeps, pin
+    included (the EAGLE drop's sub-block tail N - u on a prompt of whole units, which a junction
+    cannot stop at; multi-module MTP's re-prefillable tail). Nothing to hand over: D keeps them
+    only as before, where the offset lands on one."""
     if offset <= 0 or not rule.keeps_states:
         return ()
     handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule))
@@ -192,6 +217,7 @@ __all__ = [
     "Placement",
     "checkpoint_pairs",
     "checkpoint_slot",
+    "checkpoint_to_pin",
     "checkpoints_not_computed",
     "checkpoints_to_hand_over",
     "kept_checkpoints",

@@ -26,7 +26,7 @@ from pd_connector.core.params import (
     decode_handoff_params,
 )
 from pd_connector.core.prompt_digest import DIGEST_VERSION, form_of
-from pd_connector.core.protocol import PROTOCOL_VERSION, ProtocolError
+from pd_connector.core.protocol import PROTOCOL_VERSION, CheckpointBlocks, ProtocolError
 
 
 class RecomputeProfile(msgspec.Struct, frozen=True):
@@ -197,10 +197,12 @@ def requested_min_recompute(raw: object) -> int | None:
 
 
 class Accepted(msgspec.Struct, frozen=True):
-    """D honours P's offset: load ``offset`` tokens, recompute ``[offset, N)``."""
+    """D honours P's offset: load ``offset`` tokens, recompute ``[offset, N)``; and registers
+    ``checkpoints``, the prompt checkpoints below it that it places (core/checkpoints.py)."""
 
     offset: int
     params: HandoffParams
+    checkpoints: tuple[CheckpointBlocks, ...] = ()
 
 
 class Refused(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from pd_connector.core.checkpoints import (
     CheckpointRule,
     checkpoint_pairs,
     checkpoint_slot,
+    checkpoint_to_pin,
     checkpoints_not_computed,
     checkpoints_to_hand_over,
     kept_checkpoints,
@@ -54,8 +55,9 @@ rules = st.builds(
 prompts = st.integers(1, 400)
 
 
-def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None) -> set[int]:
-    """vLLM's single-chunk prefill of a prompt, step by step: chunk ends, then what caching keeps."""
+def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None, junction: int = 0) -> set[int]:
+    """vLLM's single-chunk prefill of a prompt, step by step: chunk ends, then what caching keeps.
+    ``junction``: the request's shared-prefix boundary (block-floored stop, retained)."""
     if rule.unit <= 0:
         return set()
     B, u, drop, lookahead = rule.block_size, rule.unit, rule.eagle_drop, rule.prefill_lookahead
@@ -81,6 +83,7 @@ def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None) -> s
             (start // B + 1) * B if start % B and not internal else 0,
             last_cache,
             checkpoint if partial and not internal and last_cache < checkpoint < prompt_len else 0,
+            start + (junction - start) // B * B if start < junction < end else 0,
         ]
         end = min((s for s in stops if start < s < end), default=end)
         remaining = prompt_len - end
@@ -96,6 +99,8 @@ def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None) -> s
         boundaries = {max((prompt_len - 1) // B * B - B, 0), max(prompt_len // B * B - B, 0)}
     else:
         boundaries = {(prompt_len - 1) // u * u // B * B}
+    if junction:
+        boundaries.add(junction // u * u // B * B)
     kept = set()
     for kind, p in states:
         if p <= 0 or p >= prompt_len:
@@ -168,7 +173,7 @@ def test_handed_over_checkpoints_are_kept_by_both_and_below_the_offset(n, rule):
     missing = checkpoints_not_computed(n, offset, rule)
     below = {p for p in kept_checkpoints(n, rule) if p < offset}
     assert set(handed) | set(missing) == below and not set(handed) & set(missing)
-    assert set(handed) <= set(kept_checkpoints(offset, rule, computed=offset))
+    assert set(handed) <= set(kept_checkpoints(offset, rule, computed=offset)) | {checkpoint_to_pin(n, offset, rule)}
 
 
 @FAST
@@ -179,13 +184,30 @@ def test_p_misses_no_checkpoint_without_the_drop_or_multi_module_mtp(n, rule):
     assert checkpoints_not_computed(n, n - 1, rule) == ()
 
 
-def test_the_eagle_drop_on_a_block_aligned_prompt_is_missing_on_p():
-    """floor(N/B)*B - B for the whole prompt, floor((N-1)/B)*B - B for P's: N - B is never
-    computed on P at N = kB (the documented fallback)."""
+@FAST
+@given(prompts, rules)
+def test_p_keeps_what_it_hands_over_in_vllms_own_prefill(n, rule):
+    """Restated on P's side: the truncated prompt's prefill, its pin as the junction, keeps
+    every checkpoint handed over; what it does not keep is exactly ``checkpoints_not_computed``."""
+    profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
+    offset = plan_handoff(n, profile).offset
+    pin = checkpoint_to_pin(n, offset, rule)
+    on_p = _vllm_kept(offset, rule, computed=offset, junction=pin) if offset else set()
+    below = {p for p in _vllm_kept(n, rule, None) if p < offset}
+    assert set(checkpoints_to_hand_over(n, offset, rule)) == below & on_p, (n, offset, pin, rule)
+    assert set(checkpoints_not_computed(n, offset, rule)) == below - on_p
+
+
+def test_the_eagle_drop_on_a_block_aligned_prompt_is_pinned_on_p():
+    """floor(N/B)*B - B for the whole prompt, floor((N-1)/B)*B - B for P's: at N = kB, P pins
+    N - B as its junction, so it computes and hands over the state there too."""
     rule = CheckpointRule(block_size=64, unit=64, eagle_drop=True, prefill_lookahead=1)
-    assert checkpoints_not_computed(192, 191, rule) == (128,)
-    assert checkpoints_to_hand_over(192, 191, rule) == ()
-    assert checkpoints_to_hand_over(200, 199, rule) == (128,)
+    assert checkpoint_to_pin(192, 191, rule) == 128
+    assert checkpoints_to_hand_over(192, 191, rule) == (128,) and checkpoints_not_computed(192, 191, rule) == ()
+    assert checkpoint_to_pin(200, 199, rule) == 0 and checkpoints_to_hand_over(200, 199, rule) == (128,)
+    fine = CheckpointRule(block_size=64, unit=16, eagle_drop=True, prefill_lookahead=1)
+    # The sub-block tail N - u of a prompt of whole units: no junction stops inside a block.
+    assert checkpoints_not_computed(160, 159, fine) == (144,) and checkpoints_to_hand_over(160, 159, fine) == (64,)
 
 
 def test_multi_module_mtp_keeps_nothing_in_its_re_prefillable_tail():
