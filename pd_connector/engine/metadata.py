@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from pd_connector.core.params import PrefillRef
+from pd_connector.core.protocol import CheckpointBlocks
 from pd_connector.engine.vllm_bases import KVConnectorMetadata
 
 
@@ -22,6 +23,8 @@ class SendLease:
     digest: str = ""
     # Decode requests that will read it (the router's pd_decode_requests: the client's n).
     requests: int = 1
+    # Prompt checkpoints below the offset leased with it (core/checkpoints.py).
+    checkpoints: list[CheckpointBlocks] = field(default_factory=list)
 
 
 class RecvTask(msgspec.Struct):
@@ -45,6 +48,11 @@ class RecvTask(msgspec.Struct):
     corrupt_state: bool = False
     # The prompt fingerprint D verified against its own prompt; the claim carries it.
     prompt_digest: str = ""
+    # Prompt checkpoints D reads in the same READ: the claimed states (P's blocks) and, per
+    # group, their (P block, D block) pairs, kept apart from ``pairs`` (the state digest and
+    # the claim's block lists cover the offset's blocks only).
+    checkpoints: list[CheckpointBlocks] = []
+    checkpoint_pairs: list[Sequence[tuple[int, int]]] | None = None
 
 
 class ReleaseTask(msgspec.Struct, frozen=True):

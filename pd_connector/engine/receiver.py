@@ -55,6 +55,14 @@ SLOW_NIXL_CALL_S = 1.0
 _SIDE_CHANNEL_THREADS = 4
 
 
+def _read_pairs(task: RecvTask) -> list:
+    """The pairs one READ moves: the offset's, then the prompt checkpoints' in each group."""
+    extra = task.checkpoint_pairs
+    if not extra or not any(extra):
+        return task.pairs
+    return [list(main) + list(more) for main, more in zip(task.pairs, extra)]
+
+
 @dataclass
 class _Load:
     task: RecvTask
@@ -214,6 +222,7 @@ class Receiver:
                     load.reader,
                     load.readers,
                     task.prompt_digest,
+                    task.checkpoints,
                 )
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()
@@ -258,7 +267,7 @@ class Receiver:
             self._end_leg(leg, release=True, reason="nothing to read from this rank")
             return
         try:
-            plan = self.transport.read_plan(peer, load.task.pairs, self._chunk_bytes)
+            plan = self.transport.read_plan(peer, _read_pairs(load.task), self._chunk_bytes)
             if plan.empty:
                 # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
                 self._end_leg(leg, release=True, reason="nothing to read")
@@ -314,7 +323,7 @@ class Receiver:
             load = self._loads[leg[0]]
             own_blocks = [[d for _, d in g] for g in load.task.pairs]
             if load.task.corrupt_state and self._corrupt_state is not None:
-                self._corrupt_state(own_blocks)
+                self._corrupt_state([[d for _, d in g] for g in _read_pairs(load.task)])
             if state == FAILED:
                 # No completion notification will come: release.
                 self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)

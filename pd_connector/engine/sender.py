@@ -89,7 +89,8 @@ class Sender:
         with self._lock:
             for request_id, lease in leases.items():
                 self._leases.grant(
-                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests, now
+                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests, now,
+                    checkpoints=lease.checkpoints,
                 )
         self.server.kick()  # claims that overtook these leases are answered now
 
@@ -229,6 +230,7 @@ class Sender:
                 claim.readers,
                 claim.reader,
                 claim.prompt_digest,
+                claim.checkpoints,
             )
             held = self._leases.held_seconds(claim.request_id, now)
         if outcome == UNKNOWN:

@@ -13,6 +13,7 @@ from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import PrefillRef
 from pd_connector.core.protocol import (
     MAX_CLAIM_PARK_MS,
+    CheckpointBlocks,
     Claim,
     EngineCompat,
     Extend,
@@ -53,6 +54,8 @@ class ClaimRequest(msgspec.Struct, frozen=True):
     reader: str
     readers: int
     prompt_digest: str = ""
+    # The prompt checkpoints D reads besides the offset's blocks (a subset of P's).
+    checkpoints: list[CheckpointBlocks] = []
 
 
 class PrefillCalls:
@@ -109,6 +112,7 @@ class PrefillCalls:
                 reader=request.reader,
                 readers=request.readers,
                 prompt_digest=request.prompt_digest,
+                checkpoints=request.checkpoints,
             )
             reply = self._call(request.prefill.host, request.prefill.rank_port(request.rank), claim)
             if not isinstance(reply, Pending) or time.monotonic() >= deadline:
