@@ -81,13 +81,23 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        # Prompt checkpoints: P pins the states it hands over, D registers the ones it receives.
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool)
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = self._scheduler.build_connector_meta()
+        # This step's Mamba boundary states (vLLM clears the field once we return).
+        meta = self._scheduler.build_connector_meta(getattr(scheduler_output, "kv_connector_block_state", None))
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self._scheduler.update_connector_output(connector_output.finished_recving or ())
+        self._scheduler.update_connector_output(
+            connector_output.finished_recving or (),
+            connector_output.finished_sending or (),
+            getattr(connector_output, "failed_recving", None) or (),
+        )
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, (block_ids,))

@@ -19,6 +19,8 @@ CORRUPT_STATE = "_pd_fault_corrupt_state"
 # skip D's prompt fingerprint check and claim with P's fingerprint (a handoff of another
 # prompt then loads, as it did before the check existed).
 SKIP_PROMPT_CHECK = "_pd_fault_skip_prompt_check"
+# place none of P's prompt checkpoints below the offset (as a D that cannot), loading the rest.
+WITHHOLD_CHECKPOINTS = "_pd_fault_withhold_checkpoints"
 
 
 class Faults:
@@ -36,6 +38,9 @@ class Faults:
 
     def skips_prompt_check(self, params: Mapping[str, Any]) -> bool:
         return self.enabled and params.get(SKIP_PROMPT_CHECK) is True
+
+    def withholds_checkpoints(self, params: Mapping[str, Any]) -> bool:
+        return self.enabled and params.get(WITHHOLD_CHECKPOINTS) is True
 
 
 StateCorrupter = Callable[[list[list[int]]], None]

@@ -4,7 +4,8 @@
 tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped ``assert
 num_new_tokens > 0``, vllm#53514), idempotently under preemption, and fingerprints them
 (core/prompt_digest.py). ``finish`` (request_finished) leases the blocks carrying [0, R) and the
-state at R for the claim deadline, and returns them in ``kv_transfer_params``.
+state at R for the claim deadline, with the prompt checkpoints below R that it pinned
+(engine/checkpoint_pool.py), and returns them in ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pd_connector.core import handoff, pairing
+from pd_connector.core import checkpoints, handoff, pairing
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import initial_lease
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import KEY_DECODE_REQUESTS, KEY_MIN_RECOMPUTE, encode_handoff_params
 from pd_connector.engine import identity
+from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.metadata import SendLease
 from pd_connector.engine.metrics import Recorder
 
@@ -37,7 +39,8 @@ class _Prefill(NamedTuple):
     offset: int
     digest: str = ""
     decode_requests: int = 1
-    # The whole prompt's checkpoint, kept past the truncation (handoff.checkpoint_to_keep).
+    # The shared-prefix junction P pins: the whole prompt's checkpoint, kept past the truncation
+    # (handoff.checkpoint_to_keep), or a checkpoint below R for D (checkpoints.checkpoint_to_pin).
     keep: int = 0
 
 
@@ -56,6 +59,7 @@ class PrefillHalf:
         recorder: Recorder,
         fingerprint_form: tuple[str, int] = (identity.TOKENS, 0),
         side_channel_port: int | None = None,
+        checkpoint_pool: CheckpointPool | None = None,
     ):
         self.settings = settings
         self.engine_id = engine_id
@@ -67,6 +71,7 @@ class PrefillHalf:
         self._tp_size = tp_size  # in the params: D reads each rank's shard
         self.recorder = recorder
         self.fingerprint_form = fingerprint_form
+        self.checkpoints = checkpoint_pool or CheckpointPool(layouts, group_ids, checkpoints.CheckpointRule(), recorder)
         self.offsets: dict[str, _Prefill] = {}
         # Leases granted this step, drained by the scheduler's build_connector_meta.
         self.to_send: dict[str, SendLease] = {}
@@ -122,13 +127,20 @@ class PrefillHalf:
             if digest is None:
                 self.recorder.count("p_no_fingerprint")
                 offset, plan, digest = 0, handoff.HandoffPlan(0), ""
+        keep = 0
         if offset > 0:
+            rule, n = self.checkpoints.rule, request.num_prompt_tokens
+            # The whole prompt's checkpoint for P's own next turn, else one for D to keep.
+            keep = handoff.checkpoint_to_keep(plan, self.profile) or checkpoints.checkpoint_to_pin(n, offset, rule)
+            self.checkpoints.want(request.request_id, checkpoints.checkpoints_to_hand_over(n, offset, rule))
+            missing = checkpoints.checkpoints_not_computed(n, offset, rule)
+            if missing:
+                self.recorder.count("p_checkpoint_not_computed", len(missing))
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
             del request._all_token_ids[offset:]
             request.num_prompt_tokens = offset
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        keep = handoff.checkpoint_to_keep(plan, self.profile) if offset else 0
         self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests, keep)
         # P's sampled token is thrown away by the router; stop after the prefill.
         request.max_tokens = 1
@@ -163,6 +175,7 @@ class PrefillHalf:
         keeps them until finished_sending) and return the params for D."""
         chosen = self.offsets.pop(request.request_id, _NOTHING)
         if request.status.name not in _FINISHED_OK:
+            self.checkpoints.drop(request.request_id)
             return False, None  # aborted or errored: nothing to hand over
         offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
         if offset != chosen.offset:
@@ -190,18 +203,22 @@ class PrefillHalf:
             shared = self._shared_sibling_params(request.request_id, chosen.digest, now)
             if shared is not None:
                 # This sibling's blocks are freed now; D reads its sibling's identical ones.
+                self.checkpoints.drop(request.request_id)
                 self.recorder.count("handoff_shared")
                 self._count_sibling_reader(shared["remote_request_id"])
                 return False, shared
-        out = self._returned_params(request, offset, source, chosen.digest if offset else "")
         if not offset:
-            return False, out
+            self.checkpoints.drop(request.request_id)
+            return False, self._returned_params(request, offset, source, "")
+        states = self.checkpoints.hand_over(request.request_id)
+        out = self._returned_params(request, offset, source, chosen.digest, states)
         self.to_send[request.request_id] = SendLease(
             deadline=now + self._initial_lease,
             offset=offset,
             block_ids=source,
             digest=chosen.digest,
             requests=chosen.decode_requests,
+            checkpoints=states,
         )
         parent = identity.sibling_group(request.request_id)
         if parent is not None:
@@ -239,7 +256,7 @@ class PrefillHalf:
         shared = self._sibling_params.get((parent, digest))
         return dict(shared[1]) if shared is not None else None
 
-    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str) -> dict[str, Any]:
+    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str, states=()) -> dict[str, Any]:
         return encode_handoff_params(
             offset,
             source,
@@ -250,4 +267,5 @@ class PrefillHalf:
             tp_size=self._tp_size,
             prompt_digest=digest,
             lease_seconds=self._initial_lease if offset else None,
+            checkpoints=list(states),
         )

@@ -9,7 +9,8 @@ prompt, and leases the blocks at finish.
 D (``do_remote_prefill``): ``on_new_request`` validates P's offset and the prompt fingerprint
 once (logging and counting a refusal once, releasing P with the reason);
 ``get_num_new_matched_tokens`` reports ``R - local_hit``; after allocation the pairing maps P's
-blocks onto D's and the worker reads them; the keep-alive clock extends P's leases meanwhile.
+blocks onto D's and the worker reads them, with the prompt checkpoints below R that D places
+(engine/checkpoint_pool.py); the keep-alive clock extends P's leases meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pd_connector.core.params import PrefillRef, release_target
 from pd_connector.core.prompt_digest import TOKENS, form_of
 from pd_connector.engine import identity
 from pd_connector.core import ranks
+from pd_connector.engine.checkpoint_pool import CheckpointPool, checkpoint_rule_from_vllm
 from pd_connector.engine.compat import dp_placement, layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.faults import Faults
 from pd_connector.engine.metadata import ExtendTask, PDMetadata, ReleaseTask, RecvTask, extend_tasks
@@ -59,6 +61,7 @@ class Admitted(msgspec.Struct):
     num_external_tokens: int
     num_prompt_tokens: int
     corrupt_state: bool
+    request: Any = None  # D registers the checkpoints it reads under this request's hashes
 
 
 class SchedulerHalf:
@@ -71,6 +74,8 @@ class SchedulerHalf:
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
         self._faults = Faults()
+        rule = checkpoint_rule_from_vllm(kv_cache_config, self.profile, self.layouts, self.group_ids)
+        self._checkpoints = CheckpointPool(self.layouts, self.group_ids, rule, self.recorder)
         # This engine's TP size: P sends it in kv_transfer_params; D logs and counts the pair.
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # This engine's DP rank (vLLM's engine id already ends in _dp<rank> under DP).
@@ -90,6 +95,7 @@ class SchedulerHalf:
             self.recorder,
             identity.fingerprint_form(vllm_config, kv_cache_config),
             side_channel_port=ranks.engine_base_port(settings.side_channel_port, self.dp_index, self._tp_size),
+            checkpoint_pool=self._checkpoints,
         )
         # Per-step outboxes, drained by build_connector_meta.
         self._to_recv: dict[str, RecvTask] = {}
@@ -131,7 +137,11 @@ class SchedulerHalf:
             else:
                 self._validate_handoff(request, params)
 
-    def build_connector_meta(self) -> PDMetadata:
+    def bind_block_pool(self, pool: Any) -> None:
+        self._checkpoints.bind(pool)
+
+    def build_connector_meta(self, block_state: Any = None) -> PDMetadata:
+        self._checkpoints.take_offers(block_state)
         if self._to_pair:
             self._pair_admitted()
         meta = PDMetadata(
@@ -160,11 +170,16 @@ class SchedulerHalf:
         refs.extend(self._loading.values())
         return extend_tasks(refs)
 
-    def update_connector_output(self, finished_recving: "Iterable[str]") -> None:
+    def update_connector_output(
+        self, finished_recving: "Iterable[str]", finished_sending: "Iterable[str]" = (), failed: "Iterable[str]" = ()
+    ) -> None:
         """The loads every D rank ended (read, or failed and to be recomputed): nothing to keep
-        alive for them any more."""
+        alive for them any more, and the checkpoints read are registered. The leases every P
+        rank ended: their pinned checkpoints are freed."""
         for request_id in finished_recving:
             self._loading.pop(request_id, None)
+        self._checkpoints.settle(finished_recving, failed)
+        self._checkpoints.release(finished_sending)
 
     def request_finished(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -217,6 +232,11 @@ class SchedulerHalf:
         if shift and 0 < decision.offset + shift < request.num_prompt_tokens:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id, shift)
             decision = handoff.Accepted(offset=decision.offset + shift, params=decision.params)
+        placed = self._checkpoints.placeable(
+            params, request.num_prompt_tokens, decision.offset, self._faults.withholds_checkpoints(params)
+        )
+        if placed:
+            decision = msgspec.structs.replace(decision, checkpoints=placed)
         self._decisions[request.request_id] = decision
 
     def _fingerprint(self, request: "Request", length: int, theirs: str) -> str | None:
@@ -273,7 +293,7 @@ class SchedulerHalf:
             tables = tuple(tables[g] for g in self.group_ids)
         corrupt = self._faults.corrupts_state(request.kv_transfer_params)
         self._to_pair.append(
-            Admitted(request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, corrupt)
+            Admitted(request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, corrupt, request)
         )
 
     def _pair_admitted(self) -> None:
@@ -311,6 +331,7 @@ class SchedulerHalf:
                 logger.warning("pd_connector: request %s: cannot pair blocks: %s", request_id, exc)
                 self.recorder.count("refused:pairing")
                 pairs = None
+            claimed, extra = self._checkpoints.reserve(admitted.request, decision.checkpoints) if pairs else ([], None)
             self._loading[request_id] = params.prefill
             self._to_recv[request_id] = RecvTask(
                 prefill=params.prefill,
@@ -320,6 +341,8 @@ class SchedulerHalf:
                 remote_block_ids=params.remote_block_ids,
                 corrupt_state=admitted.corrupt_state,
                 prompt_digest=params.pd_prompt_digest,
+                checkpoints=claimed,
+                checkpoint_pairs=extra,
             )
             recompute = admitted.num_prompt_tokens - decision.offset
             tails.append(recompute)
