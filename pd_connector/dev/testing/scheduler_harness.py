@@ -65,6 +65,7 @@ def make_scheduler(
     dp_index: int | None = None,
     dp_lockstep: bool = False,
     tp_size: int = 1,
+    mamba_exports_checkpoints: bool = False,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
@@ -79,7 +80,9 @@ def make_scheduler(
     ``retention_interval`` are vLLM's cache-config fields (``retention_interval`` defaults to
     vLLM's own default, 0; None = dense retention). ``dp_index``: the engine is that DP rank of
     a DP group (``dp_lockstep``: a MoE model's, whose ranks step together); ``tp_size``: the
-    engine's TP size as its scheduler sees it."""
+    engine's TP size as its scheduler sees it. ``mamba_exports_checkpoints``: the Mamba groups'
+    backend writes prefill checkpoints inside a chunk, as vLLM's Mamba2 mixer declares
+    (``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -136,6 +139,8 @@ def make_scheduler(
                 dtypes=(torch.float32, torch.float32),
                 mamba_cache_mode=mamba_mode,
                 num_speculative_blocks=num_speculative_blocks,
+                num_prefill_checkpoint_blocks=int(mamba_exports_checkpoints),
+                prefill_checkpoint_alignment=1 if mamba_exports_checkpoints else None,
             )
         specs.append(KVCacheGroupSpec([f"layer{i}"], spec))
     # As get_kv_cache_config_from_groups does (vllm/v1/core/kv_cache_utils.py): the retention
