@@ -5,13 +5,17 @@ upstream fall to a full miss on D), turn 2 extends the conversation. P hands ove
 vLLM's prompt checkpoint, so D receives the recurrent state exactly where its own cache manager
 checkpoints it, and D's turn 2 must hit its local prefix cache for the first k*B tokens.
 
-Then every length around the grid: D computes exactly its one-token tail (read from its own
-``vllm:prompt_tokens_by_source``), outputs match aggregated serving, and turn 2 through P and on
-D hit what the rule promises against an aggregated conversation on A in its own ``cache_salt``
-namespace (references are salted too, so P's cache holds only what P computed as P). Prefix
-caching on one side only is pinned in process (tests/vllm/test_scheduler_integrity.py): a third,
-uncached instance here froze on its first connection in 2 of 5 runs (docs/operations.md,
-"Unanswered first calls").
+Then every length around the grid (on, just above and well above one and two units): D
+computes exactly its one-token tail (read from its own ``vllm:prompt_tokens_by_source``),
+outputs match aggregated serving, P hands over the checkpoint below R that aggregated serving
+keeps (core/checkpoints.py), and turn 2 on D hits at least what an aggregated conversation on A
+in its own ``cache_salt`` namespace hits (references are salted too, so P's cache holds only
+what P computed as P); turn 2 through P hits what the rule promises. At 2B + B/4 + 5, D's turn 2
+resumes on the received checkpoint below R and answers as aggregated serving does; with the
+checkpoint withheld (negative control) its hit drops below aggregated serving's. Prefix
+caching on one side only is pinned in process (tests/vllm/test_scheduler_integrity.py,
+tests/vllm/test_checkpoint_handover.py): a third, uncached instance here froze on its first
+connection in 2 of 5 runs (docs/operations.md, "Unanswered first calls").
 
 Qwen3-Next (GDN) is the only hybrid whose CPU kernels run prefix caching (the Mamba2 hybrids crash
 in align mode, docs/testing.md); bf16, so outputs use the margin-aware oracle of
@@ -28,6 +32,8 @@ import pytest
 
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
+from pd_connector.core.checkpoints import CheckpointRule, checkpoints_to_hand_over
+from pd_connector.core.params import KEY_CHECKPOINTS
 from pd_connector.dev.testing.cpu_matrix import random_prompt
 from pd_connector.dev.testing.oracle import complete
 from pd_connector.dev.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
@@ -142,7 +148,16 @@ def _hit_delta(inst, send) -> float:
 
 def _lengths(block: int) -> list[int]:
     b = block
-    return [b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b + 1, b + b // 4 + 5, 2 * b - b // 3]
+    return [b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b + 1, b + b // 4 + 5, 2 * b - b // 3, 2 * b + b // 4 + 5]
+
+
+def _sent(params) -> list[int]:
+    """Positions of the prompt checkpoints below R that P handed over."""
+    return [s["position"] for s in (params.get(KEY_CHECKPOINTS) or {}).get("states", [])]
+
+
+def _bytes_read(inst) -> float:
+    return inst.server.metric("vllm:pd_transfer_bytes_sum") or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +170,7 @@ def turns(pair):
     rows = []
     for i, n in enumerate(_lengths(block)):
         turn1 = random_prompt(n, seed=300 + i)
-        before = _local_compute(b)
+        before, read_before = _local_compute(b), _bytes_read(b)
         params, out1 = handoff(a, b, turn1, MAX_TOKENS)
         time.sleep(1.0)
         computed = _local_compute(b) - before
@@ -167,20 +182,25 @@ def turns(pair):
         hit_d = _hit_delta(b, lambda: b.reference(turn2, 1))
         checkpoint = get_mamba_prefill_checkpoint_position(n, block, False)
         rows.append(dict(n=n, offset=params.get("replay_offset"), computed=computed, checkpoint=checkpoint,
+                         sent=_sent(params), bytes=_bytes_read(b) - read_before,
                          hit_aggregated=hit_agg, hit_p=hit_p, hit_d=hit_d))
         print(rows[-1])
     return rows
 
 
-def test_d_computes_its_tail_and_keeps_the_checkpoint_it_lands_on(turns):
-    """D's local_compute grows by exactly 1 (its minimum) at every length; turn 2 on D hits at
-    least the aggregated hit when the handoff lands on the checkpoint (N - 1 = checkpoint) or
-    the hit is a checkpoint D decoded past."""
+def test_d_computes_its_tail_and_hits_what_aggregated_serving_hits(turns, pair):
+    """D's local_compute grows by exactly 1 (its minimum) at every length; P hands over the
+    checkpoint below R aggregated serving keeps (none where R is the checkpoint); turn 2 on D
+    hits at least the aggregated hit at every length. Not vacuous: at 2B + B/4 + 5 aggregated
+    serving hits 2B, and D hit 0 there while it kept only the state at R."""
+    block = int(pair[1].server.cache_config()["block_size"])
+    rule = CheckpointRule(block_size=block, unit=block)
     for row in turns:
         n = row["n"]
         assert row["offset"] == n - 1 and row["computed"] == 1, row
-        if row["checkpoint"] == n - 1 or row["hit_aggregated"] >= n:
-            assert row["hit_d"] >= row["hit_aggregated"], row
+        assert row["sent"] == list(checkpoints_to_hand_over(n, n - 1, rule)), row
+        assert row["hit_d"] >= row["hit_aggregated"], row
+    assert any(row["sent"] and row["hit_aggregated"] in row["sent"] for row in turns), turns
 
 
 def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
@@ -196,3 +216,32 @@ def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
         n = row["n"]
         if row["hit_aggregated"] <= n - 1:
             assert row["hit_p"] >= row["hit_aggregated"], row
+
+
+@pytest.mark.parametrize("withheld", [False, True], ids=["as_received", "negative_control_withheld"])
+def test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset(pair, withheld):
+    """N = 2B + B/4 + 5: R = N - 1 lies above aggregated serving's checkpoint 2B, which P hands
+    over besides the state at R. D serves turn 2 itself from it (a hit of 2B) and answers as
+    aggregated serving does. Negative control: the same handoff with the checkpoint withheld
+    (D places none, the fault switch): the rest loads, and D's turn-2 hit falls below 2B."""
+    a, b = pair
+    block = int(b.server.cache_config()["block_size"])
+    n = 2 * block + block // 4 + 5
+    turn1 = random_prompt(n, seed=80 + int(withheld))
+    params = a.prefill(turn1)
+    assert params["replay_offset"] == n - 1 and _sent(params) == [2 * block], params
+    read_before = _bytes_read(b)
+    out1 = b.decode(turn1, {**params, faults.WITHHOLD_CHECKPOINTS: True} if withheld else params, MAX_TOKENS)
+    assert check(_salted(a, turn1, f"ckpt-{int(withheld)}"), out1).ok
+    turn2 = turn1 + out1.token_ids + random_prompt(16, seed=90 + int(withheld))
+    time.sleep(1.0)  # turn 1's prefix-cache counters arrive with its last step's stats
+    before = _hits(b)[0]
+    out2 = b.reference(turn2, MAX_TOKENS)
+    time.sleep(1.0)
+    hits = _hits(b)[0] - before
+    print(dict(n=n, withheld=withheld, hit_d=hits, bytes=_bytes_read(b) - read_before))
+    if withheld:
+        assert hits < 2 * block, f"D's turn 2 hit {hits} tokens with the checkpoint withheld"
+    else:
+        assert hits >= 2 * block, f"D's turn 2 hit {hits} tokens, expected the checkpoint {2 * block}"
+    assert check(_salted(a, turn2, f"ckpt-turn2-{int(withheld)}"), out2).ok
