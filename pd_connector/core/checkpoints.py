@@ -26,14 +26,14 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pd_connector.core.handoff import mamba_checkpoint_position
+from pd_connector.core.handoff import HandoffPlan, RecomputeProfile, checkpoint_to_keep, mamba_checkpoint_position
 from pd_connector.core.pairing import MAMBA, NULL_BLOCK, GroupLayout, cdiv
 from pd_connector.core.protocol import CheckpointBlocks
 
 
 class CheckpointRule(msgspec.Struct, frozen=True):
     """What decides where one engine keeps a prompt's recurrent states (from its vLLM config,
-    engine/compat.py ``checkpoint_rule_from_vllm``). ``unit`` 0: no prefix caching of
+    engine/checkpoint_pool.py ``checkpoint_rule_from_vllm``). ``unit`` 0: no prefix caching of
     recurrent state (``mamba_cache_mode`` none), so no checkpoint at all."""
 
     block_size: int = 0  # the Mamba groups' block size B
@@ -41,6 +41,11 @@ class CheckpointRule(msgspec.Struct, frozen=True):
     eagle_drop: bool = False  # SpeculativeConfig.use_eagle_block_drop()
     exports: bool = False  # every Mamba backend exports prefill checkpoints (Mamba2, KDA)
     prefill_lookahead: int = 0  # VllmConfig.num_prefill_lookahead_tokens
+    # The granularity the scheduler ends prefill chunks on: ``cache_config.block_size``, which
+    # ``_mamba_block_aligned_split`` reads. 0: the Mamba block. vLLM CPU's API server leaves it
+    # at 128 while it raises the hybrid's blocks to 640 (tiny Qwen3-Next), so a chunk end is a
+    # Mamba block boundary, and its state kept, only where a multiple of 128 is one of 640.
+    split_block: int = 0
 
     @property
     def keeps_states(self) -> bool:
@@ -51,41 +56,88 @@ class CheckpointRule(msgspec.Struct, frozen=True):
         """Hits (and the tail checkpoint) at a unit below the block: sub-block states."""
         return 0 < self.unit < self.block_size
 
+    @property
+    def split(self) -> int:
+        return self.split_block or self.block_size
 
-def _export_valid(prompt_len: int, checkpoint: int, rule: CheckpointRule) -> bool:
-    """``is_mamba_prefill_checkpoint_valid`` for a single chunk [0, prompt_len) (alignment 1)."""
-    return checkpoint >= rule.unit and checkpoint < prompt_len and cdiv(prompt_len, rule.block_size) >= 2
+
+def _export_valid(start: int, prompt_len: int, checkpoint: int, rule: CheckpointRule) -> bool:
+    """``is_mamba_prefill_checkpoint_valid`` for the final chunk [start, prompt_len) (alignment
+    1), as the scheduler (split granularity) and the manager (Mamba block) both check it."""
+    if start % rule.unit or not start + rule.unit <= checkpoint < prompt_len:
+        return False
+    return all(cdiv(prompt_len, b) - 2 > (start - 1) // b for b in {rule.block_size, rule.split})
 
 
-def kept_checkpoints(prompt_len: int, rule: CheckpointRule, computed: int | None = None) -> tuple[int, ...]:
+def _replay_blocks(prompt_len: int, rule: CheckpointRule, junction: int) -> set[int]:
+    """Block states ``reachable_block_mask`` retains: ``replay_boundaries`` (N - 1; under the
+    EAGLE drop a resend's and a sibling's, one block down) and the junction, each aligned down
+    to the unit, then to its block."""
+    B, u = rule.block_size, rule.unit
+    if rule.eagle_drop:
+        out = {max((prompt_len - 1) // B * B - B, 0), max(prompt_len // B * B - B, 0)}
+    else:
+        out = {(prompt_len - 1) // u * u // B * B}
+    if junction:
+        out.add(junction // u * u // B * B)
+    return out
+
+
+def _chunk_ends(prompt_len: int, rule: CheckpointRule, junction: int) -> list[tuple[int, bool]]:
+    """Where ``Scheduler._mamba_block_aligned_split`` ends the chunks of an unbounded budget
+    (and ``_reserve_prefill_lookahead`` moves them): (position, exported) per state written,
+    ``exported`` for a checkpoint a backend writes inside the final chunk."""
+    drop, S = rule.eagle_drop, rule.split
+    tail = mamba_checkpoint_position(prompt_len, rule.unit, drop)
+    block = mamba_checkpoint_position(prompt_len, S, drop)
+    start, out = 0, []
+    while start < prompt_len and len(out) < 8:
+        internal = rule.exports and _export_valid(start, prompt_len, tail, rule)
+        stops = [] if internal else [(start // S + 1) * S if start % S else 0, block]
+        if not internal and rule.fine_grained and block < tail:
+            stops.append(tail)  # the prompt's hash-unit checkpoint
+        if start < junction < prompt_len:
+            stops.append(start + (junction - start) // S * S)  # block-floored junction
+        end = min((p for p in stops if start < p < prompt_len), default=prompt_len)
+        if 0 < prompt_len - end < rule.prefill_lookahead:
+            end -= rule.prefill_lookahead - (prompt_len - end)
+        if end <= start:
+            break
+        if internal and end == prompt_len:
+            out.append((tail, True))
+        out.append((end, False))
+        start = end
+    return out
+
+
+def kept_checkpoints(
+    prompt_len: int, rule: CheckpointRule, computed: int | None = None, junction: int = 0
+) -> tuple[int, ...]:
     """Positions (ascending, in (0, prompt_len)) whose recurrent state an engine with ``rule``
-    keeps in its prefix cache after prefilling a ``prompt_len``-token prompt in one chunk and
-    computing ``computed`` tokens in all (None: it decoded past its multi-module MTP tail, as an
-    aggregated server does; P stops at exactly its prompt). A state more than one chunk ends
-    on (a prompt longer than the token budget) is not predicted: where the budget falls
-    depends on the rest of the batch."""
+    keeps in its prefix cache after prefilling a ``prompt_len``-token prompt and computing
+    ``computed`` tokens in all (None: it decoded past its multi-module MTP tail, as an
+    aggregated server does; P stops at exactly its prompt). ``junction``: the request's
+    shared-prefix boundary (the one P pins). Chunks end only where the scheduler must end them:
+    a state a token budget smaller than the prompt would add depends on the rest of the batch,
+    and is not predicted."""
     if not rule.keeps_states or prompt_len <= 1:
         return ()
-    drop, lookahead = rule.eagle_drop, rule.prefill_lookahead
-    reprefillable = max(0, lookahead - 1)
-    tail = mamba_checkpoint_position(prompt_len, rule.unit, drop)
-    if rule.exports and _export_valid(prompt_len, tail, rule):
-        # Written into the reserved block and re-keyed there whatever the caching step counts.
-        return (tail,)
-    block = mamba_checkpoint_position(prompt_len, rule.block_size, drop)
-    # (position, how it is kept): the block state on the replay boundary's block
-    # (reachable_block_mask), the sub-block tail by a caching step that ends exactly on it,
-    # which the re-prefillable tail moves off it (_cache_partial_tail_block).
-    ends = [(block, "block")]
-    if rule.fine_grained and block < tail < prompt_len and not reprefillable:
-        ends.append((tail, "tail"))
+    reprefillable = max(0, rule.prefill_lookahead - 1)
+    tail = mamba_checkpoint_position(prompt_len, rule.unit, rule.eagle_drop)
+    retained = _replay_blocks(prompt_len, rule, max(junction, 0))
     cacheable = prompt_len + 10**9 if computed is None else computed - reprefillable
-    kept = [
-        p
-        for p, how in ends
-        # A chunk end within the lookahead of the prompt's end is moved off the grid.
-        if p > 0 and not 0 < prompt_len - p < lookahead and (how == "tail" or p <= cacheable)
-    ]
+    kept = set()
+    for p, exported in _chunk_ends(prompt_len, rule, junction):
+        if not 0 < p < prompt_len:
+            continue
+        if exported:
+            kept.add(p)  # re-keyed at the prompt checkpoint by every caching step
+        elif p % rule.block_size == 0 and p in retained and p <= cacheable:
+            kept.add(p)  # a retained block state (reachable_block_mask)
+        elif rule.fine_grained and p == tail and not reprefillable:
+            # The sub-block tail, registered by a caching step that ends exactly on it, which
+            # the re-prefillable tail moves off it (_cache_partial_tail_block).
+            kept.add(p)
     return tuple(sorted(kept))
 
 
@@ -93,42 +145,52 @@ def checkpoint_to_pin(num_prompt_tokens: int, offset: int, rule: CheckpointRule)
     """A block state below R the aggregated server keeps and P's truncated prefill would not
     (the EAGLE drop on a block-aligned prompt: N - B, where P's R = N - 1 checkpoints at N - 2B),
     which P computes and keeps when pinned as its shared-prefix junction: the scheduler ends a
-    chunk there (``_mamba_block_aligned_split``, block-floored) and the manager retains it
-    (``reachable_block_mask``), where aggregated serving's own prefill ends one. 0 if none: P
-    caches nothing in its re-prefillable tail, and moves a chunk end within the lookahead."""
+    chunk there (``_mamba_block_aligned_split``, floored to its split) and the manager retains
+    it (``reachable_block_mask``), where aggregated serving's own prefill ends one. 0 if none:
+    P caches nothing in its re-prefillable tail, and moves a chunk end within the lookahead."""
     if offset <= 0 or not rule.keeps_states:
         return 0
     held = set(kept_checkpoints(offset, rule, computed=offset))
-    cacheable = offset - max(0, rule.prefill_lookahead - 1)
     pins = [
         p
         for p in kept_checkpoints(num_prompt_tokens, rule)
-        if p < offset and p not in held and p % rule.block_size == 0 and p <= cacheable
-        and not 0 < offset - p < rule.prefill_lookahead
+        if p < offset and p not in held and p % rule.block_size == 0 and p % rule.split == 0
+        and p in kept_checkpoints(offset, rule, computed=offset, junction=p)
     ]
     return pins[-1] if pins else 0
 
 
-def checkpoints_to_hand_over(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
+def junction_to_pin(num_prompt_tokens: int, plan: HandoffPlan, profile: RecomputeProfile, rule: CheckpointRule) -> int:
+    """The shared-prefix boundary P pins for a handoff: the whole prompt's checkpoint for its own
+    next turn (``handoff.checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none."""
+    if plan.offset <= 0:
+        return 0
+    return checkpoint_to_keep(plan, profile) or checkpoint_to_pin(num_prompt_tokens, plan.offset, rule)
+
+
+def checkpoints_to_hand_over(
+    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0
+) -> tuple[int, ...]:
     """P's choice: the checkpoints an aggregated server keeps for the whole prompt that lie
     below the offset R (R itself is the state handed over anyway) and that P, prefilling a
-    prompt truncated to R, computes and keeps too (``kept_checkpoints(R, computed=R)``, and the
-    one it pins, ``checkpoint_to_pin``)."""
+    prompt truncated to R with ``junction`` pinned (``handoff.checkpoint_to_keep`` or
+    ``checkpoint_to_pin``), computes and keeps too."""
     if offset <= 0 or not rule.keeps_states:
         return ()
-    held = set(kept_checkpoints(offset, rule, computed=offset))
-    held.add(checkpoint_to_pin(num_prompt_tokens, offset, rule))
+    held = set(kept_checkpoints(offset, rule, computed=offset, junction=junction))
     return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p in held)
 
 
-def checkpoints_not_computed(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> tuple[int, ...]:
+def checkpoints_not_computed(
+    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0
+) -> tuple[int, ...]:
     """The aggregated server's checkpoints below R that P's truncated prefill never keeps, pin
     included (the EAGLE drop's sub-block tail N - u on a prompt of whole units, which a junction
     cannot stop at; multi-module MTP's re-prefillable tail). Nothing to hand over: D keeps them
     only as before, where the offset lands on one."""
     if offset <= 0 or not rule.keeps_states:
         return ()
-    handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule))
+    handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule, junction))
     return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p not in handed)
 
 
@@ -220,6 +282,7 @@ __all__ = [
     "checkpoint_to_pin",
     "checkpoints_not_computed",
     "checkpoints_to_hand_over",
+    "junction_to_pin",
     "kept_checkpoints",
     "place_checkpoints",
     "state_blocks",

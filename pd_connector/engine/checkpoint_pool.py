@@ -26,6 +26,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from pd_connector.core import checkpoints
 from pd_connector.core.checkpoints import CheckpointRule
 from pd_connector.core.handoff import RecomputeProfile
@@ -43,11 +45,18 @@ logger = logging.getLogger("vllm.pd_connector")
 
 
 def checkpoint_rule_from_vllm(
-    kv_cache_config: Any, profile: RecomputeProfile, layouts: tuple[GroupLayout, ...], group_ids: tuple[int, ...]
+    vllm_config: Any,
+    kv_cache_config: Any,
+    profile: RecomputeProfile,
+    layouts: tuple[GroupLayout, ...],
+    group_ids: tuple[int, ...],
 ) -> CheckpointRule:
     """The core's rule from this engine's config: the Mamba groups' block size (one for all in
-    align mode, else no checkpoints), the unit and drop of ``profile``, and whether every Mamba
-    backend exports checkpoints inside a chunk (``Scheduler.mamba_has_prefill_checkpoint_blocks``)."""
+    align mode, else no checkpoints), the unit and drop of ``profile``, whether every Mamba
+    backend exports checkpoints inside a chunk (``Scheduler.mamba_has_prefill_checkpoint_blocks``)
+    and the granularity the scheduler splits prefill chunks on (``cache_config.block_size``,
+    read by ``Scheduler._mamba_block_aligned_split`` at every step; ``CheckpointPool.rule``
+    reads it again per request)."""
     sizes = {layout.block_size for layout in layouts if layout.kind == MAMBA}
     if len(sizes) != 1 or not profile.replay_grid:
         return CheckpointRule()
@@ -59,14 +68,24 @@ def checkpoint_rule_from_vllm(
         eagle_drop=profile.eagle_drop,
         exports=exports,
         prefill_lookahead=profile.prefill_lookahead,
+        split_block=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
     )
 
 
 class CheckpointPool:
-    """Both halves' checkpoint blocks. ``group_ids``: vLLM's group id of each transfer group."""
+    """Both halves' checkpoint blocks. ``group_ids``: vLLM's group id of each transfer group;
+    ``cache_config``: vLLM's, whose ``block_size`` the scheduler splits prefill chunks on."""
 
-    def __init__(self, layouts: tuple[GroupLayout, ...], group_ids: tuple[int, ...], rule: CheckpointRule, recorder: Recorder):
-        self.layouts, self.group_ids, self.rule, self.recorder = layouts, group_ids, rule, recorder
+    def __init__(
+        self,
+        layouts: tuple[GroupLayout, ...],
+        group_ids: tuple[int, ...],
+        rule: CheckpointRule,
+        recorder: Recorder,
+        cache_config: Any = None,
+    ):
+        self.layouts, self.group_ids, self._rule, self.recorder = layouts, group_ids, rule, recorder
+        self._cache_config = cache_config
         self._index = {vllm_group: i for i, vllm_group in enumerate(group_ids) if layouts[i].kind == MAMBA}
         self.pool: BlockPool | None = None
         # P: positions wanted per handoff, pinned blocks per request -> position -> group index,
@@ -79,6 +98,18 @@ class CheckpointPool:
 
     def bind(self, pool: "BlockPool") -> None:
         self.pool = pool
+
+    @property
+    def rule(self) -> CheckpointRule:
+        """The rule, with the split granularity as the scheduler reads it now: vLLM 0.32's
+        EngineCoreProc re-runs ``VllmConfig.__post_init__`` after its start-up handshake, where
+        the CPU platform (``CpuPlatform.check_and_update_config``) puts ``block_size`` back to
+        128 when the user gave none, after the hybrid alignment raised it (640 on the tiny
+        Qwen3-Next); the KV-cache groups keep their 640."""
+        split = int(getattr(self._cache_config, "block_size", 0) or 0)
+        if self._rule.keeps_states and split and split != self._rule.split_block:
+            self._rule = msgspec.structs.replace(self._rule, split_block=split)
+        return self._rule
 
     # -- P ---------------------------------------------------------------------------------
 

@@ -130,10 +130,9 @@ class PrefillHalf:
         keep = 0
         if offset > 0:
             rule, n = self.checkpoints.rule, request.num_prompt_tokens
-            # The whole prompt's checkpoint for P's own next turn, else one for D to keep.
-            keep = handoff.checkpoint_to_keep(plan, self.profile) or checkpoints.checkpoint_to_pin(n, offset, rule)
-            self.checkpoints.want(request.request_id, checkpoints.checkpoints_to_hand_over(n, offset, rule))
-            missing = checkpoints.checkpoints_not_computed(n, offset, rule)
+            keep = checkpoints.junction_to_pin(n, plan, self.profile, rule)
+            self.checkpoints.want(request.request_id, checkpoints.checkpoints_to_hand_over(n, offset, rule, keep))
+            missing = checkpoints.checkpoints_not_computed(n, offset, rule, keep)
             if missing:
                 self.recorder.count("p_checkpoint_not_computed", len(missing))
             drop = request.num_prompt_tokens - offset

@@ -74,8 +74,8 @@ class SchedulerHalf:
         self.layouts = layouts_from_kv_cache_config(kv_cache_config, self.group_ids)
         self.recorder = Recorder()
         self._faults = Faults()
-        rule = checkpoint_rule_from_vllm(kv_cache_config, self.profile, self.layouts, self.group_ids)
-        self._checkpoints = CheckpointPool(self.layouts, self.group_ids, rule, self.recorder)
+        rule = checkpoint_rule_from_vllm(vllm_config, kv_cache_config, self.profile, self.layouts, self.group_ids)
+        self._checkpoints = CheckpointPool(self.layouts, self.group_ids, rule, self.recorder, vllm_config.cache_config)
         # This engine's TP size: P sends it in kv_transfer_params; D logs and counts the pair.
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size or 1)
         # This engine's DP rank (vLLM's engine id already ends in _dp<rank> under DP).
@@ -110,12 +110,13 @@ class SchedulerHalf:
         self._peers_seen: set[str] = set()
         logger.info(
             "pd_connector scheduler: engine %s (DP rank %d), groups %s, min recompute %d token(s), "
-            "prefix-cache checkpoint unit %d",
+            "prefix-cache checkpoint unit %d (%s)",
             self.engine_id,
             self.dp_index,
             [layout.kind for layout in self.layouts],
             handoff.min_recompute_tokens(self.profile),
             self.profile.replay_grid,
+            rule,
         )
 
     @property

@@ -10,7 +10,7 @@ computes exactly its one-token tail (read from its own ``vllm:prompt_tokens_by_s
 outputs match aggregated serving, P hands over the checkpoint below R that aggregated serving
 keeps (core/checkpoints.py), and turn 2 on D hits at least what an aggregated conversation on A
 in its own ``cache_salt`` namespace hits (references are salted too, so P's cache holds only
-what P computed as P); turn 2 through P hits what the rule promises. At 2B + B/4 + 5, D's turn 2
+what P computed as P); turn 2 through P hits what the rule promises. At 2B + 20, D's turn 2
 resumes on the received checkpoint below R and answers as aggregated serving does; with the
 checkpoint withheld (negative control) its hit drops below aggregated serving's. Prefix
 caching on one side only is pinned in process (tests/vllm/test_scheduler_integrity.py,
@@ -32,7 +32,6 @@ import pytest
 
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from pd_connector.core.checkpoints import CheckpointRule, checkpoints_to_hand_over
 from pd_connector.core.params import KEY_CHECKPOINTS
 from pd_connector.dev.testing.cpu_matrix import random_prompt
 from pd_connector.dev.testing.oracle import complete
@@ -148,7 +147,9 @@ def _hit_delta(inst, send) -> float:
 
 def _lengths(block: int) -> list[int]:
     b = block
-    return [b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 3 * b + 1, b + b // 4 + 5, 2 * b - b // 3, 2 * b + b // 4 + 5]
+    # On, just above and well above one and two units (2B + 20 = 1300 at B = 640: the issue's).
+    return [b - 1, b, b + 1, b + 5, b + b // 4 + 5, 2 * b - b // 3, 2 * b - 1, 2 * b, 2 * b + 1, 2 * b + 20,
+            2 * b + b // 4 + 5, 3 * b + 1]
 
 
 def _sent(params) -> list[int]:
@@ -188,19 +189,21 @@ def turns(pair):
     return rows
 
 
-def test_d_computes_its_tail_and_hits_what_aggregated_serving_hits(turns, pair):
-    """D's local_compute grows by exactly 1 (its minimum) at every length; P hands over the
-    checkpoint below R aggregated serving keeps (none where R is the checkpoint); turn 2 on D
-    hits at least the aggregated hit at every length. Not vacuous: at 2B + B/4 + 5 aggregated
-    serving hits 2B, and D hit 0 there while it kept only the state at R."""
-    block = int(pair[1].server.cache_config()["block_size"])
-    rule = CheckpointRule(block_size=block, unit=block)
+def test_d_computes_its_tail_and_hits_what_aggregated_serving_hits(turns):
+    """D's local_compute grows by exactly 1 (its minimum) at every length; turn 2 on D hits at
+    least the aggregated hit at every length, and where that hit is a checkpoint below R, P
+    handed it over. Not vacuous: at B + 5 and 2B + 20 aggregated serving hits B and 2B, which D
+    missed (hit 0) while it kept only the state at R. Where aggregated serving keeps nothing
+    below R (B + B/4 + 5, 2B - B/3, 2B + B/4 + 5 on vLLM CPU's server: its chunks end on
+    multiples of 128, mid-block there; core/checkpoints.CheckpointRule.split_block), P hands
+    over nothing."""
     for row in turns:
         n = row["n"]
         assert row["offset"] == n - 1 and row["computed"] == 1, row
-        assert row["sent"] == list(checkpoints_to_hand_over(n, n - 1, rule)), row
         assert row["hit_d"] >= row["hit_aggregated"], row
-    assert any(row["sent"] and row["hit_aggregated"] in row["sent"] for row in turns), turns
+        if 0 < row["hit_aggregated"] < n - 1:
+            assert row["hit_aggregated"] in row["sent"], row
+    assert sum(bool(row["sent"]) and row["hit_aggregated"] in row["sent"] for row in turns) >= 2, turns
 
 
 def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
@@ -220,13 +223,13 @@ def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
 
 @pytest.mark.parametrize("withheld", [False, True], ids=["as_received", "negative_control_withheld"])
 def test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset(pair, withheld):
-    """N = 2B + B/4 + 5: R = N - 1 lies above aggregated serving's checkpoint 2B, which P hands
-    over besides the state at R. D serves turn 2 itself from it (a hit of 2B) and answers as
+    """N = 2B + 20 (1300 at B = 640): R = N - 1 lies above aggregated serving's checkpoint 2B,
+    which P hands over besides the state at R. D serves turn 2 itself from it (a hit of 2B) and answers as
     aggregated serving does. Negative control: the same handoff with the checkpoint withheld
     (D places none, the fault switch): the rest loads, and D's turn-2 hit falls below 2B."""
     a, b = pair
     block = int(b.server.cache_config()["block_size"])
-    n = 2 * block + block // 4 + 5
+    n = 2 * block + 20
     turn1 = random_prompt(n, seed=80 + int(withheld))
     params = a.prefill(turn1)
     assert params["replay_offset"] == n - 1 and _sent(params) == [2 * block], params

@@ -25,11 +25,12 @@ from pd_connector.core.checkpoints import (
     checkpoint_to_pin,
     checkpoints_not_computed,
     checkpoints_to_hand_over,
+    junction_to_pin,
     kept_checkpoints,
     place_checkpoints,
     state_blocks,
 )
-from pd_connector.core.handoff import RecomputeProfile, mamba_checkpoint_position, plan_handoff
+from pd_connector.core.handoff import RecomputeProfile, checkpoint_to_keep, mamba_checkpoint_position, plan_handoff
 from pd_connector.core.leases import GRANTED, MISMATCH, LeaseTable
 from pd_connector.core.pairing import ATTENTION, MAMBA, GroupLayout
 from pd_connector.core.params import (
@@ -43,15 +44,17 @@ from pd_connector.core.protocol import CheckpointBlocks, Claim, ProtocolError, d
 
 FAST = settings(max_examples=300, deadline=None)
 
-# Every setting the rule reads: block B, unit u (0: mode none), drop, exports, lookahead.
+# Every setting the rule reads: block B, unit u (0: mode none), drop, exports, lookahead, and
+# the scheduler's split granularity S (vLLM CPU's API server: S = 128 under B = 640).
 rules = st.builds(
     CheckpointRule,
-    block_size=st.sampled_from([16, 32, 64]),
-    unit=st.sampled_from([0, 8, 16, 32, 64]),
+    block_size=st.sampled_from([16, 32, 64, 80]),
+    unit=st.sampled_from([0, 8, 16, 32, 64, 80]),
     eagle_drop=st.booleans(),
     exports=st.booleans(),
     prefill_lookahead=st.integers(0, 4),
-).filter(lambda r: r.unit <= r.block_size and r.block_size % max(r.unit, 1) == 0)
+    split_block=st.sampled_from([0, 8, 16, 32]),
+).filter(lambda r: r.unit <= r.block_size and r.block_size % max(r.unit, 1) == 0 and r.block_size % max(r.split_block, 1) == 0)
 prompts = st.integers(1, 400)
 
 
@@ -61,29 +64,30 @@ def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None, junc
     if rule.unit <= 0:
         return set()
     B, u, drop, lookahead = rule.block_size, rule.unit, rule.eagle_drop, rule.prefill_lookahead
+    S = rule.split_block or B  # cache_config.block_size, what the scheduler splits on
     rp = max(0, lookahead - 1)
     partial = u < B
     start, states, steps = 0, set(), 0
     while start < prompt_len and steps < 8:
         steps += 1
         end = prompt_len
-        last_cache = mamba_checkpoint_position(prompt_len, B, drop)
+        last_cache = mamba_checkpoint_position(prompt_len, S, drop)
         checkpoint = mamba_checkpoint_position(prompt_len, u, drop)
         internal = (
             rule.exports
             and start % u == 0
             and -(-end // B) - 2 > (start - 1) // B
+            and -(-end // S) - 2 > (start - 1) // S
             and start + u <= checkpoint
             and start < checkpoint < end
         )
         if internal:
             last_cache = 0
-            states.add(("export", checkpoint))
         stops = [
-            (start // B + 1) * B if start % B and not internal else 0,
+            (start // S + 1) * S if start % S and not internal else 0,
             last_cache,
             checkpoint if partial and not internal and last_cache < checkpoint < prompt_len else 0,
-            start + (junction - start) // B * B if start < junction < end else 0,
+            start + (junction - start) // S * S if start < junction < end else 0,
         ]
         end = min((s for s in stops if start < s < end), default=end)
         remaining = prompt_len - end
@@ -91,6 +95,8 @@ def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None, junc
             end -= lookahead - remaining
         if end <= start:
             break
+        if internal and end == prompt_len:  # the manager exports only in the chunk reaching the end
+            states.add(("export", checkpoint))
         states.add(("end", end))
         start = end
     cacheable = (computed if computed is not None else 10**9) - rp
@@ -115,10 +121,11 @@ def _vllm_kept(prompt_len: int, rule: CheckpointRule, computed: int | None, junc
 
 
 @FAST
-@given(prompts, rules, st.booleans())
-def test_kept_checkpoints_restate_vllm(n, rule, stopped):
+@given(prompts, rules, st.booleans(), st.integers(0, 400))
+def test_kept_checkpoints_restate_vllm(n, rule, stopped, junction):
     computed = n if stopped else None
-    assert set(kept_checkpoints(n, rule, computed)) == _vllm_kept(n, rule, computed), (n, rule, computed)
+    got = set(kept_checkpoints(n, rule, computed, junction))
+    assert got == _vllm_kept(n, rule, computed, junction), (n, rule, computed, junction)
 
 
 def test_kept_checkpoints_exhaustive_small():
@@ -137,6 +144,19 @@ def test_kept_checkpoints_exhaustive_small():
                                 assert got == _vllm_kept(n, rule, computed), (n, rule, computed)
 
 
+def test_the_cpu_servers_split_keeps_a_checkpoint_only_on_both_grids():
+    """vLLM CPU's API server: chunks end on multiples of cache_config.block_size = 128, Mamba
+    blocks are 640 (tiny Qwen3-Next): aggregated serving keeps 1280 at N = 1300 (1280 is on both
+    grids) and nothing below N at 805 or 1445 (768 and 1408 are mid-block), so P hands over
+    1280 at 1300 only."""
+    rule = CheckpointRule(block_size=640, unit=640, split_block=128)
+    assert kept_checkpoints(1300, rule) == (1280,) and kept_checkpoints(645, rule) == (640,)
+    assert kept_checkpoints(805, rule) == () and kept_checkpoints(1445, rule) == ()
+    assert kept_checkpoints(1299, rule, computed=1299) == (1280,)  # P's own replay boundary
+    assert checkpoints_to_hand_over(1300, 1299, rule) == (1280,)
+    assert checkpoints_to_hand_over(805, 804, rule) == checkpoints_to_hand_over(1445, 1444, rule) == ()
+
+
 @FAST
 @given(prompts, rules)
 def test_checkpoints_lie_on_the_grid_and_inside_the_prompt(n, rule):
@@ -146,6 +166,17 @@ def test_checkpoints_lie_on_the_grid_and_inside_the_prompt(n, rule):
         assert 0 < p < n and p % rule.unit == 0
     if not rule.fine_grained:
         assert all(p % rule.block_size == 0 for p in kept)
+
+
+def p_junction(n: int, offset: int, rule: CheckpointRule) -> int:
+    """The shared-prefix boundary P pins (engine/prefill_half.py): its own next turn's
+    checkpoint first, else one for D."""
+    profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
+    plan = plan_handoff(n, profile)
+    assert plan.offset == offset
+    keep = checkpoint_to_keep(plan, profile) if offset else 0
+    assert junction_to_pin(n, plan, profile, rule) == (keep or checkpoint_to_pin(n, offset, rule) if offset else 0)
+    return junction_to_pin(n, plan, profile, rule)
 
 
 def test_mode_none_keeps_nothing_and_hands_over_nothing():
@@ -169,19 +200,20 @@ def test_the_issue_case_two_units_and_a_few_tokens(n, expected):
 def test_handed_over_checkpoints_are_kept_by_both_and_below_the_offset(n, rule):
     profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
     offset = plan_handoff(n, profile).offset
-    handed = checkpoints_to_hand_over(n, offset, rule)
-    missing = checkpoints_not_computed(n, offset, rule)
+    junction = p_junction(n, offset, rule)
+    handed = checkpoints_to_hand_over(n, offset, rule, junction)
+    missing = checkpoints_not_computed(n, offset, rule, junction)
     below = {p for p in kept_checkpoints(n, rule) if p < offset}
     assert set(handed) | set(missing) == below and not set(handed) & set(missing)
-    assert set(handed) <= set(kept_checkpoints(offset, rule, computed=offset)) | {checkpoint_to_pin(n, offset, rule)}
+    assert set(handed) <= set(kept_checkpoints(offset, rule, computed=offset, junction=junction))
 
 
 @FAST
 @given(prompts, rules.filter(lambda r: not r.eagle_drop and r.prefill_lookahead <= 1))
 def test_p_misses_no_checkpoint_without_the_drop_or_multi_module_mtp(n, rule):
-    """With R = N - 1 and no EAGLE drop, P's truncated prompt keeps every checkpoint below R
-    the whole prompt's does (its block and tail checkpoints are the same positions)."""
-    assert checkpoints_not_computed(n, n - 1, rule) == ()
+    """With R = N - 1 and no EAGLE drop, P's truncated prompt, with its pin, keeps every
+    checkpoint below R the whole prompt's does."""
+    assert checkpoints_not_computed(n, n - 1, rule, p_junction(n, n - 1, rule)) == ()
 
 
 @FAST
@@ -191,11 +223,11 @@ def test_p_keeps_what_it_hands_over_in_vllms_own_prefill(n, rule):
     every checkpoint handed over; what it does not keep is exactly ``checkpoints_not_computed``."""
     profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
     offset = plan_handoff(n, profile).offset
-    pin = checkpoint_to_pin(n, offset, rule)
+    pin = p_junction(n, offset, rule)
     on_p = _vllm_kept(offset, rule, computed=offset, junction=pin) if offset else set()
     below = {p for p in _vllm_kept(n, rule, None) if p < offset}
-    assert set(checkpoints_to_hand_over(n, offset, rule)) == below & on_p, (n, offset, pin, rule)
-    assert set(checkpoints_not_computed(n, offset, rule)) == below - on_p
+    assert set(checkpoints_to_hand_over(n, offset, rule, pin)) == below & on_p, (n, offset, pin, rule)
+    assert set(checkpoints_not_computed(n, offset, rule, pin)) == below - on_p
 
 
 def test_the_eagle_drop_on_a_block_aligned_prompt_is_pinned_on_p():
@@ -203,7 +235,8 @@ def test_the_eagle_drop_on_a_block_aligned_prompt_is_pinned_on_p():
     N - B as its junction, so it computes and hands over the state there too."""
     rule = CheckpointRule(block_size=64, unit=64, eagle_drop=True, prefill_lookahead=1)
     assert checkpoint_to_pin(192, 191, rule) == 128
-    assert checkpoints_to_hand_over(192, 191, rule) == (128,) and checkpoints_not_computed(192, 191, rule) == ()
+    assert checkpoints_to_hand_over(192, 191, rule) == () and checkpoints_not_computed(192, 191, rule) == (128,)
+    assert checkpoints_to_hand_over(192, 191, rule, 128) == (128,) and checkpoints_not_computed(192, 191, rule, 128) == ()
     assert checkpoint_to_pin(200, 199, rule) == 0 and checkpoints_to_hand_over(200, 199, rule) == (128,)
     fine = CheckpointRule(block_size=64, unit=16, eagle_drop=True, prefill_lookahead=1)
     # The sub-block tail N - u of a prompt of whole units: no junction stops inside a block.

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core import checkpoints
-from pd_connector.core.handoff import min_recompute_tokens
+from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
 from pd_connector.core.params import KEY_CHECKPOINTS
 from pd_connector.dev.testing.cpu_matrix import random_prompt
 from pd_connector.dev.testing.tiny_models import build_model
@@ -34,16 +34,19 @@ from pd_connector.engine import faults
 B = 64
 OUTPUT = 4
 LENGTHS = [B - 1, B, B + 1, B + 5, 2 * B - 1, 2 * B, 2 * B + 1, 2 * B + 5, 2 * B + 20, 3 * B + 1, 3 * B + 40, 100]
-# name: (speculative config, prefix match unit, retention interval, backend exports checkpoints)
+# name: (speculative config, prefix match unit, retention interval, backend exports checkpoints,
+# cache_config.block_size where the scheduler splits prefill chunks: vLLM CPU's API server keeps
+# 128 under the tiny Qwen3-Next's 640-token blocks, so "split16" is that server scaled down)
 CONFIGS = {
-    "plain": (None, None, 0, False),
-    "pmu16": (None, 16, 0, False),
-    "pmu16-dense": (None, 16, None, False),
-    "eagle": ("eagle", None, 0, False),
-    "eagle-pmu16": ("eagle", 16, 0, False),
-    "mtp2": ("mtp2", None, 0, False),
-    "exports": (None, None, 0, True),
-    "exports-pmu16": (None, 16, 0, True),
+    "plain": (None, None, 0, False, None),
+    "pmu16": (None, 16, 0, False, None),
+    "pmu16-dense": (None, 16, None, False, None),
+    "eagle": ("eagle", None, 0, False, None),
+    "eagle-pmu16": ("eagle", 16, 0, False, None),
+    "mtp2": ("mtp2", None, 0, False, None),
+    "exports": (None, None, 0, True, None),
+    "exports-pmu16": (None, 16, 0, True, None),
+    "split16": (None, None, 0, False, 16),
 }
 
 
@@ -54,7 +57,7 @@ def models(tmp_path_factory):
 
 
 def _scheduler(models, config, role, prefix_caching=True):
-    spec, unit, retention, exports = CONFIGS[config]
+    spec, unit, retention, exports, split = CONFIGS[config]
     model, speculative = models["llama"], None
     if spec == "eagle":
         speculative = {"method": "eagle", "model": models["eagle_llama"], "num_speculative_tokens": 2}
@@ -74,6 +77,7 @@ def _scheduler(models, config, role, prefix_caching=True):
         max_num_batched_tokens=2048,
         num_blocks=3000,
         mamba_exports_checkpoints=exports,
+        cache_block_size=split,
     )
 
 
@@ -184,12 +188,13 @@ def test_d_keeps_every_checkpoint_aggregated_serving_keeps(models, config, monke
         assert offset == n - tail and got["local"] == tail, ctx
         # The pure rule is vLLM's: the prompt-only instance keeps exactly these states.
         assert got["kept_prompt_only"] == set(checkpoints.kept_checkpoints(n, rule, computed=n)), ctx
-        handed = list(checkpoints.checkpoints_to_hand_over(n, offset, rule))
+        junction = checkpoints.junction_to_pin(n, plan_handoff(n, conv.profile), conv.profile, rule)
+        handed = list(checkpoints.checkpoints_to_hand_over(n, offset, rule, junction))
         assert got["sent"] == handed == got["claimed"], ctx
         handed_any |= bool(handed)
         # D holds each state it received (and its own tip's where the offset is a checkpoint).
         assert set(handed) <= got["kept_d"], ctx
-        missing = checkpoints.checkpoints_not_computed(n, offset, rule)
+        missing = checkpoints.checkpoints_not_computed(n, offset, rule, junction)
         if got["hit_aggregated"] not in missing:
             assert got["hit_d"] >= got["hit_aggregated"], ctx
     assert handed_any, config

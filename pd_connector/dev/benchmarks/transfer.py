@@ -17,6 +17,8 @@ Sections (``--sections``):
           block sizes as vLLM builds them on the device (attention: multiples of its smallest
           kernel block, CPU 32, CUDA 16; hybrids raised and aligned as vLLM does).
   layout  block-outer layout (BLHNC): packed spans (what the connector does) vs per-layer rows.
+  ckpt    hybrids at 4k tokens with 0, 1 and 2 prompt checkpoint states below the offset read
+          in the same READ (core/checkpoints.py): the extra bytes per handoff and their cost.
   stall   the longest time one call into NIXL holds D's engine thread: without worker threads
           sliced vs one READ (the post copies), and with them (the post returns at once).
   knobs   NIXL/UCX settings (worker threads, progress delay, UCX_TLS), each on a fresh agent pair.
@@ -144,7 +146,7 @@ def parse_args(argv=None):
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM without worker threads only; 0 = one post)")
-    sections = ["main", "layout", "stall", "knobs", "first", "perdesc", "tcp"]
+    sections = ["main", "layout", "ckpt", "stall", "knobs", "first", "perdesc", "tcp"]
     ap.add_argument("--sections", nargs="+", choices=sections,
                     help="default: all; --quick leaves out knobs (a fresh agent pair per setting)")
     ap.add_argument("--check-vllm", action="store_true",
@@ -201,6 +203,15 @@ def main(argv=None) -> int:
         results["layout"] = run_section(args, "layout", cases, variants)
         data["tables"]["layout"] = print_results(results["layout"], variants, "",
                                                  extra=["unpacked_desc", "unpacked_runs", ("unpacked/c", "unpacked/c", ".2f")])
+    if "ckpt" in args.sections:
+        print("\n== ckpt: prompt checkpoints below the offset (one Mamba page per layer each) read with the "
+              "handoff; extra MiB = their bytes ==", flush=True)
+        hybrids = [m for m in args.models if MODELS[m].mamba_ids]
+        cases = [(m, 4096, KERNEL_BLOCK[args.device], True, False, k) for m in hybrids for k in (0, 1, 2)]
+        results["ckpt"] = run_section(args, "ckpt", cases, base)
+        data["tables"]["ckpt"] = print_results(
+            results["ckpt"], base, "", extra=[("checkpoints", "ckpts", "d"), ("checkpoint_mib", "extra MiB", ".2f")]
+        )
     if "stall" in args.sections:
         threads = args.num_threads or 2
         print(f"\n== stall: the longest call into NIXL on D's engine thread; without worker threads the connector "

@@ -67,9 +67,9 @@ class Bench:
         self._n += 1
         return f"bench-{self._n}".encode()
 
-    def sides(self, model, tokens, user_block, scattered, block_outer, budget):
+    def sides(self, model, tokens, user_block, scattered, block_outer, budget, checkpoints=0):
         geom, counts, num_blocks = case_geometry(model, tokens, user_block, budget, self.kernel_block,
-                                                 self.args.pool_factor)
+                                                 self.args.pool_factor, checkpoints)
         p_side = build_side(geom, num_blocks, block_outer, self.device, seed=1)
         d_side = build_side(geom, num_blocks, block_outer, self.device, seed=None)
         paths.sync(self.device)  # the fills are queued on a CUDA stream: done before any READ
@@ -79,11 +79,11 @@ class Bench:
         nbytes = sum(len(gp) * len(names) * geom.page_bytes for gp, (_, names) in zip(pairs, geom.groups))
         return geom, p_side, d_side, pairs, nbytes
 
-    def run_case(self, section, model, tokens, user_block, scattered, block_outer=False,
+    def run_case(self, section, model, tokens, user_block, scattered, block_outer=False, checkpoints=0,
                  variants=("connector", "raw", "memcpy"), budget=None) -> Result:
         args = self.args
         geom, p_side, d_side, pairs, nbytes = self.sides(
-            model, tokens, user_block, scattered, block_outer, (budget or args.budget_mib) * MiB
+            model, tokens, user_block, scattered, block_outer, (budget or args.budget_mib) * MiB, checkpoints
         )
         self.p_t.register(p_side.allocations, p_side.regions, self.dev)
         self.d_t.register(d_side.allocations, d_side.regions, self.dev)
@@ -98,7 +98,10 @@ class Bench:
                 section, model, tokens, user_block, geom.block_size,
                 "block-outer" if block_outer else "layer-outer", "scattered" if scattered else "contiguous",
                 f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                self.d_t.count_runs(KEY, li, ri), knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB},
+                self.d_t.count_runs(KEY, li, ri),
+                knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB, "checkpoints": checkpoints,
+                       "checkpoint_bytes": checkpoints * sum(len(names) * geom.page_bytes
+                                                             for kind, names in geom.groups if kind == "mamba")},
                 load=os.getloadavg()[0], contig=self.contiguous_runs(pairs),
             )
             if "unpacked" in variants:
@@ -159,12 +162,15 @@ class Bench:
         return st
 
 
-def case_geometry(model: str, tokens: int, user_block: int, budget: int, kernel_block: int, pool_factor: float):
+def case_geometry(model: str, tokens: int, user_block: int, budget: int, kernel_block: int, pool_factor: float,
+                  checkpoints: int = 0):
     """(geometry, blocks per group, pool blocks) of one case: the same on both sides of a pair,
-    also when P and D are two processes (``transfer_tcp``)."""
+    also when P and D are two processes (``transfer_tcp``). ``checkpoints``: prompt checkpoint
+    states below the offset read with the handoff (core/checkpoints.py): one more page per Mamba
+    group each."""
     geom = geometry(MODELS[model], user_block, tokens, budget, kernel_block)
     n_attn = math.ceil(tokens / geom.block_size)
-    counts = [n_attn if kind == "attention" else 1 for kind, _ in geom.groups]
+    counts = [n_attn if kind == "attention" else 1 + checkpoints for kind, _ in geom.groups]
     num_blocks = int(sum(counts) * pool_factor) + 2  # + the null block and a spare
     return geom, counts, num_blocks
 

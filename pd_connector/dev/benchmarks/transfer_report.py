@@ -84,7 +84,8 @@ def print_results(results, variants, title, extra=()) -> str:
             ("stall_ms", "stall ms", ".1f"), "ok"]
     rows = table_rows(results, variants)
     for r, res in zip(rows, results):
-        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs", "num_threads")})
+        r.update({k: res.knobs.get(k, "") for k in ("unpacked_desc", "unpacked_runs", "num_threads", "checkpoints")})
+        r["checkpoint_mib"] = res.knobs.get("checkpoint_bytes", 0) / MiB
         r["1read_stall"] = res.stages_ms["one_read"]["post"] if "one_read" in res.stages_ms else ""
         r["unpacked/c"] = res.ratio("unpacked", "connector") if "unpacked" in res.samples else ""
     return report.print_table(rows, cols, title)

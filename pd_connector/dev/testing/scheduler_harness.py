@@ -66,6 +66,7 @@ def make_scheduler(
     dp_lockstep: bool = False,
     tp_size: int = 1,
     mamba_exports_checkpoints: bool = False,
+    cache_block_size: int | None = None,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
@@ -82,7 +83,9 @@ def make_scheduler(
     a DP group (``dp_lockstep``: a MoE model's, whose ranks step together); ``tp_size``: the
     engine's TP size as its scheduler sees it. ``mamba_exports_checkpoints``: the Mamba groups'
     backend writes prefill checkpoints inside a chunk, as vLLM's Mamba2 mixer declares
-    (``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``)."""
+    (``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``). ``cache_block_size``:
+    ``cache_config.block_size`` when it differs from the groups' (vLLM CPU's API server keeps
+    128 there under a hybrid's 640-token blocks; the scheduler ends prefill chunks on it)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -93,7 +96,7 @@ def make_scheduler(
         is_encoder_decoder=False,
     )
     cache_config = CacheConfig(
-        block_size=block_size,
+        block_size=cache_block_size or block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=prefix_caching,
