@@ -20,13 +20,13 @@ import pytest
 
 from pd_connector.core import ranks, shards
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from pd_connector.dev.testing.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
+from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.dev.testing.tp_layouts import Model, compat
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.prefill.sender import Sender
 
 pytestmark = pytest.mark.nixl
 
@@ -70,7 +70,7 @@ def run_handoff(
             tamper(receivers)
         for rid, req in requests.items():
             task = RecvTask(
-                PrefillRef(engine, "127.0.0.1", ranks.engine_base_port(port, dp_index, p), rid, p),
+                LeaseRef(engine, "127.0.0.1", ranks.engine_base_port(port, dp_index, p), rid, p),
                 [req.get(0, []), req.get(1, [])],
                 16,
                 15,
@@ -89,7 +89,7 @@ def run_handoff(
                 assert not failed, f"D rank {j} failed: {receiver.failed or failed}"
                 finished[j] |= done
             for r, sender in enumerate(senders):
-                freed[r] |= sender.collect(p_ranks[r].transport.take_notifications())
+                freed[r] |= sender.blocks_to_free(p_ranks[r].transport.take_notifications())
             time.sleep(0.002)
         for j, rank in enumerate(d_ranks):
             want = rank.expected({g: [pr for req in requests.values() for pr in req.get(g, [])] for g in (0, 1)}, before[j])

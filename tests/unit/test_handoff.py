@@ -17,7 +17,7 @@ from pd_connector.core.handoff import (
     RecomputeProfile,
     Refused,
     checkpoint_to_keep,
-    choose_replay_offset,
+    plan_handoff,
     decide_on_decode,
     mamba_checkpoint_position,
     min_recompute_tokens,
@@ -125,13 +125,13 @@ def test_min_recompute_matches_vllm_backoff_table(recurrent, lookahead, expected
     assert min_recompute_tokens(profile) == expected
 
 
-# --- choose_replay_offset / plan_handoff --------------------------------------------------------
+# --- plan_handoff / plan_handoff --------------------------------------------------------
 
 
 @MANY
 @given(prompt_lengths, profiles, st.integers(-10, 6000))
 def test_choose_offset_bounds(n, profile, requested):
-    offset = choose_replay_offset(n, profile, requested)
+    offset = plan_handoff(n, profile, requested).offset
     assert isinstance(offset, int) and not isinstance(offset, bool)
     assert 0 <= offset < n
     if offset > 0:
@@ -147,7 +147,7 @@ def test_d_recomputes_only_its_minimum_in_every_cache_mode(n, profile, requested
     drop: D never recomputes more than it must (the grid used to move up to a unit of prefill
     work onto D)."""
     tail = max(min_recompute_tokens(profile), requested)
-    assert choose_replay_offset(n, profile, requested) == max(0, n - tail)
+    assert plan_handoff(n, profile, requested).offset == max(0, n - tail)
 
 
 @MANY
@@ -214,7 +214,7 @@ def test_p_pins_its_checkpoint_only_where_vllm_set_no_junction_of_its_own():
 
 @pytest.mark.parametrize("n", [0, -1, -100])
 def test_choose_offset_for_empty_prompt_is_zero(n):
-    assert choose_replay_offset(n, RecomputeProfile(has_recurrent_state=True)) == 0
+    assert plan_handoff(n, RecomputeProfile(has_recurrent_state=True)).offset == 0
     assert plan_handoff(n, RecomputeProfile(replay_grid=16), max_checkpoint_recompute=10**6) == HandoffPlan(0)
 
 
@@ -226,7 +226,7 @@ def test_choose_offset_equals_vllm_implicit_rule_exhaustive():
             for requested in range(b + 1):
                 for n in range(1, 300):
                     expected = (n - b if n > b else 0) if b >= 1 else n - 1
-                    assert choose_replay_offset(n, profile, requested) == expected, (n, profile)
+                    assert plan_handoff(n, profile, requested).offset == expected, (n, profile)
 
 
 @FAST
@@ -242,7 +242,7 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
     profile = RecomputeProfile(has_recurrent_state=recurrent, prefill_lookahead=lookahead)
     b = vllm_backoff(profile)
     requested = data.draw(st.integers(0, b), label="requested")
-    offset = choose_replay_offset(n, profile, requested)
+    offset = plan_handoff(n, profile, requested).offset
     if b >= 1:
         # vLLM truncates only when N > b; otherwise D recomputes the whole prompt (offset 0).
         assert offset == (n - b if n > b else 0)
@@ -274,7 +274,7 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
     ],
 )
 def test_choose_offset_examples(n, profile, requested, max_extra, expected):
-    assert choose_replay_offset(n, profile, requested, max_checkpoint_recompute=max_extra) == expected
+    assert plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).offset == expected
 
 
 @FAST
@@ -285,7 +285,7 @@ def test_bounded_replay_backs_off_one_token_like_vllm_not_its_window(n, lookahea
     away up to a window of P's work on every handoff."""
     profile = RecomputeProfile(bounded_replay=True, prefill_lookahead=lookahead)
     assert min_recompute_tokens(profile) == vllm_backoff(profile) == max(1, lookahead - 1)
-    assert choose_replay_offset(n, profile) == max(0, n - vllm_backoff(profile))
+    assert plan_handoff(n, profile).offset == max(0, n - vllm_backoff(profile))
 
 
 ALL_PROFILES = [
@@ -307,7 +307,7 @@ def test_choose_offset_exhaustive_small_prompts():
             tail = max(need, requested)
             for max_extra in (0, 10**6):
                 for n in range(1, 97):
-                    offset = choose_replay_offset(n, profile, requested, max_checkpoint_recompute=max_extra)
+                    offset = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).offset
                     ctx = (n, profile, requested, max_extra, offset)
                     assert 0 <= offset < n, ctx
                     assert offset == 0 or n - offset >= tail, ctx
@@ -341,14 +341,14 @@ def test_unbounded_trade_is_vllm_checkpoint_with_and_without_eagle():
             for n in range(1, 400):
                 checkpoint = vllm_mamba_checkpoint(n, unit, eagle)
                 expected = checkpoint if checkpoint > 0 else n - 1
-                assert choose_replay_offset(n, profile, max_checkpoint_recompute=10**9) == expected, (n, unit, eagle)
+                assert plan_handoff(n, profile, max_checkpoint_recompute=10**9).offset == expected, (n, unit, eagle)
 
 
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
 def test_choose_offset_monotone_in_requested(n, profile, r1, r2):
     lo, hi = sorted((r1, r2))
-    assert choose_replay_offset(n, profile, hi) <= choose_replay_offset(n, profile, lo)
+    assert plan_handoff(n, profile, hi).offset <= plan_handoff(n, profile, lo).offset
 
 
 # --- decide_on_decode: arbitrary junk never raises ----------------------------------------------
@@ -609,7 +609,7 @@ def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
     """P chooses R with D's requirement (or more) and returns params the way the scheduler
     does: D accepts exactly R."""
     requested = min_recompute_tokens(d_profile) + extra
-    offset = choose_replay_offset(n, p_profile, requested)
+    offset = plan_handoff(n, p_profile, requested).offset
     source = data.draw(p_source(offset), label="source")
     raw = returned_params(
         offset,
@@ -632,7 +632,7 @@ def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
 @MANY
 @given(prompt_lengths, skew_profiles, skew_profiles)
 def test_skew_d_accepts_when_p_is_told_d_requirement(n, p_profile, d_profile):
-    offset = choose_replay_offset(n, p_profile, min_recompute_tokens(d_profile))
+    offset = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     assert isinstance(d, Accepted), (p_profile, d_profile, d)
     assert d.offset == offset
@@ -644,7 +644,7 @@ def test_skew_d_accepts_when_p_is_told_d_requirement(n, p_profile, d_profile):
 @example(40, RecomputeProfile(True, 1), RecomputeProfile(True, 3))  # b_P=1, b_D=2: phantom
 @example(40, RecomputeProfile(True, 3), RecomputeProfile(True, 1))  # b_P=2, b_D=1: skipped
 def test_skew_d_never_accepts_too_short_a_tail_when_p_is_not_told(n, p_profile, d_profile):
-    offset = choose_replay_offset(n, p_profile)
+    offset = plan_handoff(n, p_profile).offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     if isinstance(d, Accepted):
         assert d.offset == offset
@@ -661,10 +661,10 @@ def test_skew_exhaustive_small_prompts():
         for d_profile in sk:
             need = min_recompute_tokens(d_profile)
             for n in range(1, 161):
-                told = choose_replay_offset(n, p_profile, need)
+                told = plan_handoff(n, p_profile, need).offset
                 d = decide_on_decode(returned_params(told, [[7]] if told else []), n, d_profile)
                 assert isinstance(d, Accepted) and d.offset == told, (n, p_profile, d_profile, d)
-                untold = choose_replay_offset(n, p_profile)
+                untold = plan_handoff(n, p_profile).offset
                 d = decide_on_decode(returned_params(untold, [[7]] if untold else []), n, d_profile)
                 ok = untold == 0 or n - untold >= need
                 if ok:
@@ -679,9 +679,9 @@ def test_mtp_skew_p1_d3_is_refused_not_silent():
     p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
     d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=4)
     n = 40
-    untold = choose_replay_offset(n, p_profile)
+    untold = plan_handoff(n, p_profile).offset
     refused(returned_params(untold, [[7]]), n=n, profile=d_profile, kind="offset_above_requirement")
-    told = choose_replay_offset(n, p_profile, min_recompute_tokens(d_profile))
+    told = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).offset
     assert isinstance(decide_on_decode(returned_params(told, [[7]]), n, d_profile), Accepted)
     assert told == n - 3
 
@@ -718,9 +718,9 @@ def test_group_count_mismatch_is_refused_before_the_offset_requirement():
 def test_configured_floor_is_one_more_floor_on_the_tail(n, profile, requested, configured):
     """R = N - max(P's own minimum, the router's request, P's setting), then the grid: the
     setting acts exactly as a request of the same size would, whichever of the two is larger."""
-    got = choose_replay_offset(n, profile, requested, configured)
-    assert got == choose_replay_offset(n, profile, max(requested, configured))
-    assert got == choose_replay_offset(n, profile, configured, requested)
+    got = plan_handoff(n, profile, requested, configured).offset
+    assert got == plan_handoff(n, profile, max(requested, configured)).offset
+    assert got == plan_handoff(n, profile, configured, requested).offset
     if got > 0:
         assert n - got >= max(min_recompute_tokens(profile), requested, configured)
 
@@ -728,14 +728,14 @@ def test_configured_floor_is_one_more_floor_on_the_tail(n, profile, requested, c
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 6000))
 def test_configured_floor_zero_changes_nothing(n, profile, requested):
-    assert choose_replay_offset(n, profile, requested, 0) == choose_replay_offset(n, profile, requested)
+    assert plan_handoff(n, profile, requested, 0).offset == plan_handoff(n, profile, requested).offset
 
 
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
 def test_choose_offset_monotone_in_configured_floor(n, profile, c1, c2):
     lo, hi = sorted((c1, c2))
-    assert choose_replay_offset(n, profile, 0, hi) <= choose_replay_offset(n, profile, 0, lo)
+    assert plan_handoff(n, profile, 0, hi).offset <= plan_handoff(n, profile, 0, lo).offset
 
 
 @MANY
@@ -743,7 +743,7 @@ def test_choose_offset_monotone_in_configured_floor(n, profile, c1, c2):
 def test_skew_d_accepts_when_p_is_configured_with_d_requirement_and_no_hint(n, p_profile, d_profile, extra):
     """A router that sends no pd_min_recompute_tokens (vllm-router): P's setting at D's
     requirement (or above) makes every handoff one D honours."""
-    offset = choose_replay_offset(n, p_profile, 0, min_recompute_tokens(d_profile) + extra)
+    offset = plan_handoff(n, p_profile, 0, min_recompute_tokens(d_profile) + extra).offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     assert isinstance(d, Accepted), (p_profile, d_profile, d)
     assert d.offset == offset
@@ -755,8 +755,8 @@ def test_skew_mtp_mismatch_is_honoured_with_the_configured_floor():
     p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
     d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3)
     for n in (33, 64, 129):
-        refused(returned_params(choose_replay_offset(n, p_profile), [[7]]), n=n, profile=d_profile,
+        refused(returned_params(plan_handoff(n, p_profile).offset, [[7]]), n=n, profile=d_profile,
                 kind="offset_above_requirement")
-        floored = choose_replay_offset(n, p_profile, 0, 2)
+        floored = plan_handoff(n, p_profile, 0, 2).offset
         assert floored == n - 2
         assert isinstance(decide_on_decode(returned_params(floored, [[7]]), n, d_profile), Accepted)

@@ -169,7 +169,7 @@ def test_no_module_is_over_the_line_limit():
 
 # ---- (d) subpackages depend one way -------------------------------------------------------------
 
-# transport/prefill_calls.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
+# transport/sender_client.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
 # ExtendTask) for the P it calls: an engine -> transport -> engine cycle, until those calls take
 # a core type instead. Listed here so that no other crossing hides behind it.
 def sources_of(layer: str) -> dict[str, str]:
@@ -201,7 +201,7 @@ def test_layer_check_allows_the_documented_directions():
     assert layer_violations({
         "pd_connector.core.handoff": "from pd_connector.core.protocol import KEY_VERSION\nimport msgspec",
         "pd_connector.transport.nixl": "from pd_connector.core import layout",
-        "pd_connector.engine.receiver": "from pd_connector.transport.nixl import NixlTransport\nfrom pd_connector.core import leases",
+        "pd_connector.engine.decode.receiver": "from pd_connector.transport.nixl import NixlTransport\nfrom pd_connector.core import leases",
         "pd_connector.proxy.server": "from pd_connector.urls import normalize_url\nfrom pd_connector.core.protocol import KEY_REPLAY_OFFSET",
         "pd_connector.check.client": "from pd_connector.urls import OPENER\nimport pd_connector",
     }) == []

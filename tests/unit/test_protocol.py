@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.core.params import MAX_BLOCK_ID, PrefillRef, decode_handoff_params, release_target
+from pd_connector.core.params import MAX_BLOCK_ID, LeaseRef, decode_handoff_params, release_target
 from pd_connector.core.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -567,8 +567,8 @@ def test_release_target_without_version():
     assert release_target(raw) == ref_of(TARGET)
 
 
-def ref_of(fields: dict) -> PrefillRef:
-    return PrefillRef(
+def ref_of(fields: dict) -> LeaseRef:
+    return LeaseRef(
         fields["remote_engine_id"], fields["remote_host"], fields["remote_port"], fields["remote_request_id"]
     )
 
@@ -657,7 +657,7 @@ def test_release_target_deeply_nested_field_is_none(key):
     assert release_target(_params(**{key: deep})) is None
 
 
-def expected_release_target(raw: dict) -> PrefillRef | None:
+def expected_release_target(raw: dict) -> LeaseRef | None:
     """Oracle: the four fields present with their exact types, a TCP port and a host."""
     values = {k: raw.get(k) for k in TARGET}
     port = values["remote_port"]
@@ -705,7 +705,7 @@ def test_release_target_matches_oracle_and_decoded_params(raw):
         params = decode_handoff_params(raw)
     except ProtocolError:
         return
-    assert target == params.prefill
+    assert target == params.lease
 
 
 def test_decode_handoff_params_block_id_bounds():

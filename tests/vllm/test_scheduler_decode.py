@@ -41,7 +41,7 @@ def test_d_loads_exactly_the_offset_and_recomputes_the_tail(model_dir, groups, n
     assert req.num_computed_tokens == r
     assert out.num_scheduled_tokens == {}
     task = out.kv_connector_metadata.to_recv[req.request_id]
-    assert task.num_tokens == r and task.prefill.request_id == params["remote_request_id"]
+    assert task.num_tokens == r and task.lease.request_id == params["remote_request_id"]
     local = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
     for kind, sent, pairs, mine in zip(groups, params["remote_block_ids"], task.pairs, local):
         if kind == "mamba":
@@ -88,7 +88,7 @@ def test_d_refusal_releases_p_blocks_when_params_decode(model_dir):
     d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
     _, out = admit(d, prompt, params)
     (release,) = out.kv_connector_metadata.to_release
-    assert release.prefill.request_id == params["remote_request_id"]
+    assert release.lease.request_id == params["remote_request_id"]
 
 
 def test_d_refuses_an_offset_above_its_own_requirement(model_dir):
@@ -97,7 +97,7 @@ def test_d_refuses_an_offset_above_its_own_requirement(model_dir):
     params = p_params(model_dir, prompt, HYBRID)
     d = make_scheduler(model_dir, "kv_consumer", groups=HYBRID)
     half = connector_half(d)
-    half.profile = type(half.profile)(has_recurrent_state=True, prefill_lookahead=4)
+    half.decode.profile = type(half.profile)(has_recurrent_state=True, prefill_lookahead=4)
     _, out = admit(d, prompt, params)
     assert half.stats["refused:offset_above_requirement"] == 1
     assert list(out.num_scheduled_tokens.values()) == [40]
@@ -135,7 +135,7 @@ def test_d_aborted_before_admission_releases_p(model_dir):
     run_step(d)
     d.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
     out, _ = run_step(d)
-    assert [t.prefill.request_id for t in out.kv_connector_metadata.to_release] == [params["remote_request_id"]]
+    assert [t.lease.request_id for t in out.kv_connector_metadata.to_release] == [params["remote_request_id"]]
 
 
 def test_d_local_prefix_hit_loads_only_the_missing_blocks(model_dir):
@@ -191,7 +191,7 @@ def test_d_reports_each_accepted_handoff_in_the_step_that_admits_it(model_dir):
     for req, pp in zip(reqs, params):
         task = out.kv_connector_metadata.to_recv[req.request_id]
         attention, mamba = d.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
-        assert task.prefill.request_id == pp["remote_request_id"]
+        assert task.lease.request_id == pp["remote_request_id"]
         assert task.pairs[0] == list(zip(pp["remote_block_ids"][0], attention))
         assert task.pairs[1] == [(pp["remote_block_ids"][1][0], clip_ssm_state_blocks(list(mamba), 0)[0])]
     assert connector_half(d).stats["handoff_accepted"] == 3
@@ -267,7 +267,7 @@ def test_rejection_notice_releases_p_lease_without_counting_a_refusal(model_dir)
     d.add_request(req)  # as EngineCore.add_request does for abort_immediately requests
     d.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
     out, _ = run_step(d)
-    released = [t.prefill.request_id for t in out.kv_connector_metadata.to_release]
+    released = [t.lease.request_id for t in out.kv_connector_metadata.to_release]
     assert released == [params["remote_request_id"]], "P's blocks freed now, not at lease expiry"
     assert not out.kv_connector_metadata.to_recv
     stats = connector_half(d).stats

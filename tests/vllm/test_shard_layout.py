@@ -1,4 +1,4 @@
-"""The shard layouts of engine/shard_layout.py on pages vLLM builds itself: vLLM's spec objects,
+"""The shard layouts of engine/from_vllm/shard_layout.py on pages vLLM builds itself: vLLM's spec objects,
 its KVCacheTensor placement and its page views (dev/testing/vllm_pages.py). Every byte D's plan
 copies must land on the unit (slot kind, KV head, token) vLLM's view says it belongs to, and
 anything the code cannot place must be refused by name. Each layout has a negative control.
@@ -232,7 +232,7 @@ def test_an_mla_spec_without_vllms_replica_promise_is_refused():
 
 
 def test_tp_replicated_mamba_state_is_one_replicated_unit_per_state():
-    from pd_connector.engine.shard_layout import describe_shards
+    from pd_connector.engine.from_vllm.shard_layout import describe_shards
     from pd_connector.core.protocol import LayerRegion
 
     spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4)), dtypes=(torch.bfloat16, torch.float32), tp_replicated=True)

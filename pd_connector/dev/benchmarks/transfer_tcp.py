@@ -115,11 +115,11 @@ def read(workdir: Path) -> int:
             d_t.connect(KEY)
             raw = None
             try:
-                li, ri = d_t.plan(KEY, pairs)
+                li, ri = d_t.planner(KEY).indices(pairs)
                 res = Result("tcp", model, tokens, user_block, geom.block_size, "layer-outer",
                              "scattered" if scattered else "contiguous",
                              f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                             d_t.count_runs(KEY, li, ri), knobs={"num_threads": settings["num_threads"]},
+                             d_t.planner(KEY).count_runs(li, ri), knobs={"num_threads": settings["num_threads"]},
                              load=os.getloadavg()[0])
                 paths.connector_once(d_t, pairs, f"tcp-{next(notif)}".encode(), chunk)  # untimed, checked
                 res.verified = verify(mirror, d_side, pairs, geom.page_bytes)

@@ -76,7 +76,7 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
                 key = f"p#{r}"
                 rank.transport.add_peer(key, p_ranks[r].transport.agent_metadata, remote, local_regions=local)
                 keys[r] = key
-            plans_of = {r: rank.transport.read_plan(key, pairs, 0) for r, key in keys.items()}
+            plans_of = {r: rank.transport.planner(key).plan(pairs, 0) for r, key in keys.items()}
             # Raw NIXL: each source rank's bytes as one descriptor between the same two agents.
             agent = rank.transport._agent  # the benchmark reaches into the transport on purpose
             for r, plan in plans_of.items():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pd_connector.core.handoff import RecomputeProfile, choose_replay_offset, min_recompute_tokens
+from pd_connector.core.handoff import RecomputeProfile, plan_handoff, min_recompute_tokens
 from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from pd_connector.dev.testing.oracle import Completion, Verdict, compare, complete
 from pd_connector.dev.testing.placement import cpu_binds
@@ -117,7 +117,7 @@ def expected_outcome(
     (``p_floor``) at D's minimum, P backs off far enough for D.
     """
     requested = min_recompute_tokens(d.profile) if hint else 0
-    offset = choose_replay_offset(num_prompt_tokens, p.profile, requested, p_floor)
+    offset = plan_handoff(num_prompt_tokens, p.profile, requested, p_floor).offset
     if offset == 0:
         return HONOURED, 0  # nothing to hand over: D prefills, nothing to refuse
     if p.drafter_kv != d.drafter_kv:

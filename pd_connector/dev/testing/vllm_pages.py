@@ -97,8 +97,8 @@ class Rank:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        from pd_connector.engine.compat import regions_from_kv_caches
-        from pd_connector.engine.shard_layout import describe_shards
+        from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
+        from pd_connector.engine.from_vllm.shard_layout import describe_shards
 
         self.model, self.tp, self.r, self.num_blocks = model, tp, r, num_blocks
         layout = KVCacheLayout[model.layout]

@@ -89,7 +89,7 @@ class Sender:
         with self._lock:
             for request_id, lease in leases.items():
                 self._leases.grant(
-                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.digest, lease.requests, now
+                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.fingerprint, lease.requests, now
                 )
         self.server.kick()  # claims that overtook these leases are answered now
 
@@ -97,9 +97,10 @@ class Sender:
         with self._lock:
             return len(self._leases)
 
-    def collect(self, notifications: list[bytes]) -> set[str]:
-        """Completions from D's READ notifications and expired leases: the request ids whose
-        blocks this rank is done with (``finished_sending``)."""
+    def blocks_to_free(self, notifications: list[bytes]) -> set[str]:
+        """Where P frees blocks: the requests whose leases ended (every reader's READ
+        notification or release, or expiry), which vLLM frees once every rank reports them
+        (``finished_sending``)."""
         now = time.monotonic()
         dones = []
         for note in notifications:
@@ -228,7 +229,7 @@ class Sender:
                 now + self.settings.lease_seconds,
                 claim.readers,
                 claim.reader,
-                claim.prompt_digest,
+                claim.fingerprint,
             )
             held = self._leases.held_seconds(claim.request_id, now)
         if outcome == UNKNOWN:

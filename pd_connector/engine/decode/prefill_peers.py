@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pd_connector.core import shards
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
-from pd_connector.transport.prefill_calls import PeerRefused, PrefillCalls
+from pd_connector.transport.sender_client import PeerRefused, SenderClient
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -36,11 +36,11 @@ class _Engine:
     last_used: float = field(default_factory=time.monotonic)
 
 
-class PrefillEngines:
+class PrefillPeers:
     def __init__(
         self,
         transport: NixlTransport,
-        calls: PrefillCalls,
+        calls: SenderClient,
         submit: Callable[..., Future],
         tp_rank: int,
         tp_size: int,
@@ -54,7 +54,7 @@ class PrefillEngines:
         self.recorder = recorder
         self.engines: dict[str, _Engine] = {}
         self.errors: dict[str, tuple[str, str]] = {}  # engine id -> (why, kind)
-        self._connecting: dict[str, tuple[Future, PrefillRef]] = {}
+        self._connecting: dict[str, tuple[Future, LeaseRef]] = {}
         self.idle_seconds = idle_seconds
         # Idle engines are looked for a few times per idle period, not on every engine step.
         self._next_sweep = time.monotonic() + idle_seconds / 4
@@ -63,7 +63,7 @@ class PrefillEngines:
         if not self._connecting:
             self.errors.clear()
 
-    def connect(self, prefill: PrefillRef) -> None:
+    def connect(self, prefill: LeaseRef) -> None:
         """Start connecting to ``prefill``'s engine unless connected or connecting."""
         key = prefill.engine_id
         engine = self.engines.get(key)
@@ -75,7 +75,7 @@ class PrefillEngines:
         ranks = shards.peer_ranks(prefill.tp_size, self.tp_size, self.tp_rank)
         self._connecting[key] = (self._submit(self._handshakes, prefill, ranks), prefill)
 
-    def _handshakes(self, prefill: PrefillRef, ranks: tuple[int, ...]):
+    def _handshakes(self, prefill: LeaseRef, ranks: tuple[int, ...]):
         return [(rank, *self._calls.handshake(prefill, rank)) for rank in ranks]
 
     def finish_connects(self) -> None:
@@ -112,7 +112,7 @@ class PrefillEngines:
                 [rank for rank, _, _ in answers],
             )
 
-    def _add_engine(self, key: str, answers, prefill: PrefillRef) -> _Engine:
+    def _add_engine(self, key: str, answers, prefill: LeaseRef) -> _Engine:
         """Load the paired P ranks' agents and prepare what to read from each."""
         p = answers[0][1].tp_size
         welcome_of = {rank: welcome for rank, welcome, _ in answers}

@@ -2,7 +2,7 @@
 
 P computes it over the R prompt tokens it prefilled plus what else decides that state (the
 multimodal items placed before R, the LoRA adapter, the cache salt), returns it in
-``kv_transfer_params`` (``pd_prompt_digest``) and records it in the lease. D computes it over
+``kv_transfer_params`` (``pd_prompt_fingerprint``) and records it in the lease. D computes it over
 its own ``prompt[:R]`` and refuses a handoff whose fingerprint differs (``prompt_mismatch``:
 a router that re-rendered a chat template, tokenizer drift, another conversation); its claim
 carries the fingerprint, so P grants the blocks only to a D whose prompt is the one P computed,
@@ -18,7 +18,7 @@ Two forms, named in the fingerprint (``"<version>:<form>:<hex>"``):
 - ``t``: every token folded here, when the engine's block hashes are not comparable across
   processes (an xxhash algorithm without PYTHONHASHSEED: vLLM seeds it randomly per process),
   and for a prompt with a LoRA adapter or a multimodal item before R, whose block hashes name
-  the adapter's path and the model's path (engine/identity.keyed_by_mount_path).
+  the adapter's path and the model's path (engine/from_vllm/identity.keyed_by_mount_path).
 
 Both forms cover the same inputs besides the tokens (``extra_keys``), none of them a path.
 Version 2: the adapter's files and the items' data instead of vLLM's identifiers.
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import msgspec
 
 # Bump when what a fingerprint covers changes: a peer of another version is refused by name.
-DIGEST_VERSION = 2
+FINGERPRINT_VERSION = 2
 TOKENS = "t"
 _PERSON = b"pd-prompt-v1"
 _encode = msgspec.msgpack.Encoder().encode
@@ -71,14 +71,14 @@ def parse_blocks_form(form: str) -> tuple[str, int, str] | None:
     return parts[1], int(parts[2]), parts[3]
 
 
-def form_of(digest: str) -> str:
+def form_of(fingerprint: str) -> str:
     """The form a fingerprint was computed in ("" if it is not one of ours)."""
-    version, sep, rest = digest.partition(":")
+    version, sep, rest = fingerprint.partition(":")
     form, sep2, _ = rest.rpartition(":")
-    return form if sep and sep2 and version == str(DIGEST_VERSION) else ""
+    return form if sep and sep2 and version == str(FINGERPRINT_VERSION) else ""
 
 
-def prompt_digest(
+def fingerprint(
     tokens: Sequence[int],
     length: int,
     extra: tuple[ExtraKey, ...] = (),
@@ -90,11 +90,11 @@ def prompt_digest(
     """The fingerprint of ``tokens[:length]`` and the ``extra`` keys (tuples of str/int, in a
     canonical order chosen by the caller). ``chain``: vLLM's block hash covering
     ``tokens[:chain_tokens]`` (blocks form); the tokens after it are folded here."""
-    header = _encode((DIGEST_VERSION, sys.hash_info.width, form, length, chain_tokens, extra))
+    header = _encode((FINGERPRINT_VERSION, sys.hash_info.width, form, length, chain_tokens, extra))
     h = hashlib.blake2b(header, digest_size=16, person=_PERSON)
     h.update(bytes(chain))
     h.update(token_fold(tokens, chain_tokens, length).to_bytes(8, "little", signed=True))
-    return f"{DIGEST_VERSION}:{form}:{h.hexdigest()}"
+    return f"{FINGERPRINT_VERSION}:{form}:{h.hexdigest()}"
 
 
 def extra_keys(

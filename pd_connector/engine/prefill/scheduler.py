@@ -3,7 +3,7 @@
 ``prepare`` (on_new_request) chooses the replay offset R and truncates the prompt to exactly R
 tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped ``assert
 num_new_tokens > 0``, vllm#53514), idempotently under preemption, and fingerprints them
-(core/prompt_digest.py). ``finish`` (request_finished) leases the blocks carrying [0, R) and the
+(core/fingerprint.py). ``finish`` (request_finished) leases the blocks carrying [0, R) and the
 state at R for the claim deadline, and returns them in ``kv_transfer_params``.
 """
 
@@ -18,7 +18,7 @@ from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import initial_lease
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import KEY_DECODE_REQUESTS, KEY_MIN_RECOMPUTE, encode_handoff_params
-from pd_connector.engine import identity
+from pd_connector.engine.from_vllm import identity
 from pd_connector.engine.metadata import SendLease
 from pd_connector.engine.metrics import Recorder
 
@@ -30,21 +30,21 @@ logger = logging.getLogger("vllm.pd_connector")
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
-class _Prefill(NamedTuple):
+class _Chosen(NamedTuple):
     """What was decided for a request when it arrived (kept here, not in the request's
     kv_transfer_params, which the client controls)."""
 
     offset: int
-    digest: str = ""
+    fingerprint: str = ""
     decode_requests: int = 1
     # The whole prompt's checkpoint, kept past the truncation (handoff.checkpoint_to_keep).
     keep: int = 0
 
 
-_NOTHING = _Prefill(0)
+_NOTHING = _Chosen(0)
 
 
-class PrefillHalf:
+class PrefillScheduler:
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -67,7 +67,7 @@ class PrefillHalf:
         self._tp_size = tp_size  # in the params: D reads each rank's shard
         self.recorder = recorder
         self.fingerprint_form = fingerprint_form
-        self.offsets: dict[str, _Prefill] = {}
+        self.offsets: dict[str, _Chosen] = {}
         # Leases granted this step, drained by the scheduler's build_connector_meta.
         self.to_send: dict[str, SendLease] = {}
         # Handoffs of n > 1 siblings (one client request, vLLM's children "i_<parent>") by
@@ -113,15 +113,13 @@ class PrefillHalf:
                 self.settings.max_checkpoint_recompute,
             )
         offset = plan.offset
-        digest = ""
+        fingerprint = ""
         if offset > 0:
-            # In this engine's form; every token folded if its block hashes are missing. None (a
-            # multimodal item's data is not in this engine): nothing D could check to hand over.
-            digest = identity.prompt_fingerprint(request, offset, *self.fingerprint_form)
-            digest = digest or identity.prompt_fingerprint(request, offset)
-            if digest is None:
+            # None (a multimodal item's data is not in this engine): nothing D could check.
+            fingerprint = identity.fingerprint_to_offer(request, offset, self.fingerprint_form)
+            if fingerprint is None:
                 self.recorder.count("p_no_fingerprint")
-                offset, plan, digest = 0, handoff.HandoffPlan(0), ""
+                offset, plan, fingerprint = 0, handoff.HandoffPlan(0), ""
         if offset > 0:
             drop = request.num_prompt_tokens - offset
             del request.prompt_token_ids[offset:]
@@ -129,7 +127,7 @@ class PrefillHalf:
             request.num_prompt_tokens = offset
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
         keep = handoff.checkpoint_to_keep(plan, self.profile) if offset else 0
-        self.offsets[request.request_id] = _Prefill(offset, digest, decode_requests, keep)
+        self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep)
         # P's sampled token is thrown away by the router; stop after the prefill.
         request.max_tokens = 1
 
@@ -187,25 +185,25 @@ class PrefillHalf:
                 offset = 0
         now = time.monotonic()
         if offset:
-            shared = self._shared_sibling_params(request.request_id, chosen.digest, now)
+            shared = self._shared_sibling_params(request.request_id, chosen.fingerprint, now)
             if shared is not None:
                 # This sibling's blocks are freed now; D reads its sibling's identical ones.
                 self.recorder.count("handoff_shared")
                 self._count_sibling_reader(shared["remote_request_id"])
                 return False, shared
-        out = self._returned_params(request, offset, source, chosen.digest if offset else "")
+        out = self._returned_params(request, offset, source, chosen.fingerprint if offset else "")
         if not offset:
             return False, out
         self.to_send[request.request_id] = SendLease(
             deadline=now + self._initial_lease,
             offset=offset,
             block_ids=source,
-            digest=chosen.digest,
+            fingerprint=chosen.fingerprint,
             requests=chosen.decode_requests,
         )
         parent = identity.sibling_group(request.request_id)
         if parent is not None:
-            self._sibling_params[(parent, chosen.digest)] = (now + self._initial_lease, out)
+            self._sibling_params[(parent, chosen.fingerprint)] = (now + self._initial_lease, out)
         self.recorder.count("handoff_offered")
         return True, out
 
@@ -221,7 +219,7 @@ class PrefillHalf:
             self._children[leased_id] = children = self._children.get(leased_id, 1) + 1
             lease.requests = max(lease.requests, children)
 
-    def _shared_sibling_params(self, request_id: str, digest: str, now: float) -> dict[str, Any] | None:
+    def _shared_sibling_params(self, request_id: str, fingerprint: str, now: float) -> dict[str, Any] | None:
         """The params of an n > 1 sibling's live handoff of the same prompt, if any. vLLM
         returns one child's kv_transfer_params for the whole request (the last to finish,
         vllm/v1/engine/output_processor.py), so a lease per child left n - 1 of them orphaned.
@@ -236,10 +234,10 @@ class PrefillHalf:
         parent = identity.sibling_group(request_id)
         if parent is None:
             return None
-        shared = self._sibling_params.get((parent, digest))
+        shared = self._sibling_params.get((parent, fingerprint))
         return dict(shared[1]) if shared is not None else None
 
-    def _returned_params(self, request, offset: int, source: list[list[int]], digest: str) -> dict[str, Any]:
+    def _returned_params(self, request, offset: int, source: list[list[int]], fingerprint: str) -> dict[str, Any]:
         return encode_handoff_params(
             offset,
             source,
@@ -248,6 +246,6 @@ class PrefillHalf:
             host=self.settings.side_channel_host,
             port=self._port,
             tp_size=self._tp_size,
-            prompt_digest=digest,
+            fingerprint=fingerprint,
             lease_seconds=self._initial_lease if offset else None,
         )

@@ -15,14 +15,14 @@
   at its deadline even under a READ, so one that outlived it fails (``lease_lost``).
 
 Lease keep-alive is not kept here: D's scheduler extends every handoff it depends on, from
-acceptance until this pipeline reports the load ended (``SchedulerHalf._due_extensions``); the
+acceptance until this pipeline reports the load ended (``SchedulerSide._due_extensions``); the
 worker only forwards those extensions (``extend``).
 
 A request ends when all its legs have: ``finished``, or ``failed`` if any leg failed (the
 scheduler recomputes). A failed request's legs that have not read yet release their P rank at
 once; a leg already reading runs to its end first, so nothing writes into D's blocks once vLLM
 hears the outcome. All NIXL calls stay on the engine thread; the background threads only speak
-ZMQ (``transport/prefill_calls.py``).
+ZMQ (``transport/sender_client.py``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from pd_connector.core import read_hold, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
+from pd_connector.engine import faults
 from pd_connector.engine.faults import StateCorrupter
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
-from pd_connector.engine.prefill_engines import PrefillEngines
-from pd_connector.engine.read_in_flight import ReadInFlight
+from pd_connector.engine.decode.prefill_peers import PrefillPeers
+from pd_connector.engine.decode.read_in_flight import ReadInFlight
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
-from pd_connector.transport.prefill_calls import ClaimRequest, PrefillCalls
+from pd_connector.transport.sender_client import ClaimRequest, SenderClient
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -90,11 +91,11 @@ class Receiver:
         # waits for its grant does not hold up the others.
         self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
         # At most one socket in use per thread: keep that many open per P, no more.
-        self._calls = PrefillCalls(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
+        self._calls = SenderClient(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
-        # (WorkerHalf.get_transfer_results) resumes at once.
+        # (WorkerSide.get_transfer_results) resumes at once.
         self._wake = wake
-        self._peers = PrefillEngines(
+        self._peers = PrefillPeers(
             transport, self._calls, self._submit, tp_rank, tp_size, self.recorder, settings.prefill_engine_idle_seconds
         )
         self._loads: dict[str, _Load] = {}
@@ -109,7 +110,7 @@ class Receiver:
     # -- inputs from the scheduler -----------------------------------------------------------
 
     def add(self, request_id: str, task: RecvTask) -> None:
-        p = task.prefill.tp_size
+        p = task.lease.tp_size
         try:
             ranks = shards.peer_ranks(p, self.tp_size, self.tp_rank)
         except shards.ShardError as exc:
@@ -122,7 +123,7 @@ class Receiver:
             task, set(ranks), reader=self._reader(request_id), readers=shards.readers_per_rank(p, self.tp_size)
         )
         self._waiting.extend((request_id, rank) for rank in ranks)
-        self._peers.connect(task.prefill)
+        self._peers.connect(task.lease)
 
     def _reader(self, request_id: str) -> str:
         """This rank reading for D request ``request_id``: one of the readers P's lease counts."""
@@ -134,14 +135,14 @@ class Receiver:
         ``task.request_id`` (its n > 1 siblings keep the lease), or whole without one."""
         reader, readers = "", 1
         try:
-            ranks = shards.peer_ranks(task.prefill.tp_size, self.tp_size, self.tp_rank)
+            ranks = shards.peer_ranks(task.lease.tp_size, self.tp_size, self.tp_rank)
             if task.request_id:
                 reader = self._reader(task.request_id)
-                readers = shards.readers_per_rank(task.prefill.tp_size, self.tp_size)
+                readers = shards.readers_per_rank(task.lease.tp_size, self.tp_size)
         except shards.ShardError:
-            ranks = range(task.prefill.tp_size) if self.tp_rank == 0 else ()
+            ranks = range(task.lease.tp_size) if self.tp_rank == 0 else ()
         for rank in ranks:
-            self._executor.submit(self._calls.release, task.prefill, rank, task.reason, reader, readers)
+            self._executor.submit(self._calls.release, task.lease, rank, task.reason, reader, readers)
 
     def extend(self, task: ExtendTask) -> None:
         """Extend on the P ranks this rank pairs with (each D rank covers its own), except the
@@ -152,7 +153,7 @@ class Receiver:
             ranks = shards.peer_ranks(task.tp_size, self.tp_size, self.tp_rank)
         except shards.ShardError:
             return
-        unclaimed = {(self._loads[rid].task.prefill.request_id, rank) for rid, rank in (*self._waiting, *self._claims)}
+        unclaimed = {(self._loads[rid].task.lease.request_id, rank) for rid, rank in (*self._waiting, *self._claims)}
         for rank in ranks:
             ids = [rid for rid in task.request_ids if (rid, rank) not in unclaimed]
             if ids:
@@ -165,7 +166,7 @@ class Receiver:
     def advance(self) -> None:
         """Move every request as far along as it can go now; never blocks."""
         self._peers.finish_connects()
-        self._peers.forget_idle(lambda: {load.task.prefill.engine_id for load in self._loads.values()})
+        self._peers.forget_idle(lambda: {load.task.lease.engine_id for load in self._loads.values()})
         self._start_claims()
         self._start_reads()
         self._take_extension_answers()
@@ -196,7 +197,7 @@ class Receiver:
         for leg in self._waiting:
             request_id, rank = leg
             load = self._loads[request_id]
-            key = load.task.prefill.engine_id
+            key = load.task.lease.engine_id
             error = self._peers.errors.get(key)
             if load.error is not None:
                 self._end_leg(leg, release=True)
@@ -207,19 +208,19 @@ class Receiver:
             elif key in self._peers.engines:
                 task = load.task
                 request = ClaimRequest(
-                    task.prefill,
+                    task.lease,
                     rank,
                     task.replay_offset,
                     task.remote_block_ids or [],
                     load.reader,
                     load.readers,
-                    task.prompt_digest,
+                    task.fingerprint,
                 )
                 # Stamped before submitting: the claim may be answered before submit returns.
                 sent = time.monotonic()
                 self._claims[leg] = (self._submit(self._calls.claim, request), sent)
             else:
-                self._peers.connect(load.task.prefill)  # a no-op unless dropped (restarted P)
+                self._peers.connect(load.task.lease)  # a no-op unless dropped (restarted P)
                 still.append(leg)
         self._waiting = still
         if not self._waiting:
@@ -238,7 +239,7 @@ class Receiver:
                 self._end_leg(leg, (str(exc), "claim"), release=True)
                 continue
             self.recorder.observe("claim_seconds", answered - sent)
-            key = load.task.prefill.engine_id
+            key = load.task.lease.engine_id
             engine = self._peers.engines.get(key)
             if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):
                 # P restarted under the same engine id since we connected: connect again, then
@@ -258,21 +259,21 @@ class Receiver:
             self._end_leg(leg, release=True, reason="nothing to read from this rank")
             return
         try:
-            plan = self.transport.read_plan(peer, load.task.pairs, self._chunk_bytes)
+            plan = self.transport.planner(peer).plan(load.task.pairs, self._chunk_bytes)
             if plan.empty:
                 # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
                 self._end_leg(leg, release=True, reason="nothing to read")
                 return
-            done = ReadDone(load.task.prefill.request_id, load.reader, load.readers)
+            done = ReadDone(load.task.lease.request_id, load.reader, load.readers)
             xfer = ChunkedRead(self.transport, peer, plan, encode_read_done(done))
         except Exception as exc:
             self._end_leg(leg, (str(exc), "post"), release=True)  # nothing will be read
             return
-        if load.task.prefill.tp_size != self.tp_size:
+        if load.task.lease.tp_size != self.tp_size:
             digest = b""  # P's pages hold another shard than ours
-        prefill = load.task.prefill
+        lease = load.task.lease
         self._reads[leg] = ReadInFlight(
-            xfer, prefill, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes, hold
+            xfer, lease, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes, hold
         )
 
     def _take_extension_answers(self) -> None:
@@ -313,7 +314,7 @@ class Receiver:
             del self._reads[leg]
             load = self._loads[leg[0]]
             own_blocks = [[d for _, d in g] for g in load.task.pairs]
-            if load.task.corrupt_state and self._corrupt_state is not None:
+            if self._corrupt_state is not None and faults.corrupts(load.task):
                 self._corrupt_state(own_blocks)
             if state == FAILED:
                 # No completion notification will come: release.
@@ -346,7 +347,7 @@ class Receiver:
         if release:
             why = reason or (f"decode load failed: {load.error[0]}" if load.error else "not read")
             self._executor.submit(
-                self._calls.release, load.task.prefill, rank, why, load.reader, load.readers
+                self._calls.release, load.task.lease, rank, why, load.reader, load.readers
             )
         load.legs.discard(rank)
         if load.legs:
@@ -363,7 +364,7 @@ class Receiver:
     def _refuse(self, request_id: str, task: RecvTask, why: str, kind: str) -> None:
         """Fail a request before any leg started, and let every P rank free it."""
         self._fail(request_id, why, kind)
-        self.release_all(ReleaseTask(task.prefill, f"decode refused the load ({kind}): {why}"))
+        self.release_all(ReleaseTask(task.lease, f"decode refused the load ({kind}): {why}"))
 
     def _fail(self, request_id: str, why: str, kind: str) -> None:
         self.recorder.count(f"load_failed:{kind}")

@@ -10,7 +10,7 @@ import time
 import msgspec
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import (
     MAX_CLAIM_PARK_MS,
     Claim,
@@ -46,16 +46,16 @@ class PeerRefused(side_channel.SideChannelError):
 class ClaimRequest(msgspec.Struct, frozen=True):
     """What D claims from one P rank before reading its share."""
 
-    prefill: PrefillRef
+    lease: LeaseRef
     rank: int
     replay_offset: int
     block_ids: list[list[int]]
     reader: str
     readers: int
-    prompt_digest: str = ""
+    fingerprint: str = ""
 
 
-class PrefillCalls:
+class SenderClient:
     def __init__(self, settings: ConnectorSettings, engine_id: str, compat: EngineCompat, max_idle_per_peer: int):
         self.settings = settings
         self.engine_id = engine_id
@@ -65,7 +65,7 @@ class PrefillCalls:
     def _call(self, host: str, port: int, message):
         return self._client.call(host, port, message, self.settings.handshake_timeout_seconds, self.settings.secret)
 
-    def handshake(self, prefill: PrefillRef, rank: int) -> tuple[Welcome, float]:
+    def handshake(self, prefill: LeaseRef, rank: int) -> tuple[Welcome, float]:
         """P rank ``rank``'s Welcome, checked against what the params promised."""
         started = time.monotonic()
         port = prefill.rank_port(rank)
@@ -102,15 +102,15 @@ class PrefillCalls:
             wait_s = min(CLAIM_PARK_S, deadline - time.monotonic(), self.settings.handshake_timeout_seconds / 2)
             claim = Claim(
                 engine_id=self.engine_id,
-                request_id=request.prefill.request_id,
+                request_id=request.lease.request_id,
                 replay_offset=request.replay_offset,
                 block_ids=request.block_ids,
                 wait_ms=max(0, int(wait_s * 1000)),
                 reader=request.reader,
                 readers=request.readers,
-                prompt_digest=request.prompt_digest,
+                fingerprint=request.fingerprint,
             )
-            reply = self._call(request.prefill.host, request.prefill.rank_port(request.rank), claim)
+            reply = self._call(request.lease.host, request.lease.rank_port(request.rank), claim)
             if not isinstance(reply, Pending) or time.monotonic() >= deadline:
                 break
             time.sleep(delay)
@@ -123,7 +123,7 @@ class PrefillCalls:
             raise side_channel.SideChannelError(f"unexpected reply {type(reply).__name__}")
         return reply, time.monotonic()
 
-    def release(self, prefill: PrefillRef, rank: int, reason: str, reader: str = "", readers: int = 1) -> None:
+    def release(self, prefill: LeaseRef, rank: int, reason: str, reader: str = "", readers: int = 1) -> None:
         """Tell P rank ``rank`` that ``reader`` (none: every reader) will not read ``prefill``."""
         message = Release(request_ids=[prefill.request_id], reason=reason, reader=reader, readers=readers)
         try:

@@ -16,7 +16,7 @@ from pd_connector.core.layout import state_rows_only
 from pd_connector.core.protocol import LayerRegion
 
 
-class PageDigester:
+class StateDigester:
     def __init__(self, kv_caches: dict, regions: Sequence[LayerRegion]):
         self._views = {}
         for region in regions:

@@ -1,5 +1,5 @@
 """What identifies P's state, read from vLLM: the model's identity (compared at the handshake)
-and the prompt fingerprint's inputs (core/prompt_digest.py: vLLM's block hashes where another
+and the prompt fingerprint's inputs (core/fingerprint.py: vLLM's block hashes where another
 engine can reproduce them, the request's LoRA adapter, cache salt and multimodal items), each
 independent of where the model or the adapter is mounted."""
 
@@ -12,7 +12,7 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-from pd_connector.core.prompt_digest import TOKENS, blocks_form, extra_keys, parse_blocks_form, prompt_digest
+from pd_connector.core.fingerprint import TOKENS, blocks_form, extra_keys, fingerprint, form_of, parse_blocks_form
 
 __all__ = [
     "TOKENS",
@@ -132,7 +132,7 @@ def sibling_group(request_id: str) -> str | None:
 
 def prompt_extra_keys(request: Any, length: int) -> tuple | None:
     """What besides the first ``length`` prompt tokens decides the state there
-    (core/prompt_digest.extra_keys), from vLLM's ``Request``, in a form independent of where the
+    (core/fingerprint.extra_keys), from vLLM's ``Request``, in a form independent of where the
     model and the adapter are mounted: each multimodal item by its processed data
     (``mm_item_digest``), the LoRA adapter by its name and files (``lora_identity``). None when
     the prompt cannot be fingerprinted (prompt embeddings: the state depends on tensors, not
@@ -231,7 +231,7 @@ _PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
 
 
 def fingerprint_form(vllm_config: Any, kv_cache_config: Any) -> tuple[str, int]:
-    """(form, hash block size) of this engine's prompt fingerprints (core/prompt_digest.py):
+    """(form, hash block size) of this engine's prompt fingerprints (core/fingerprint.py):
     vLLM's own block hashes when another engine can reproduce them (EngineCore hashes every
     request's blocks when a KV connector is loaded, at kv_cache_config.hash_block_size, with
     --prefix-caching-hash-algo and a seed from PYTHONHASHSEED or vLLM's fixed default), else
@@ -259,13 +259,13 @@ def prompt_fingerprint(request: Any, length: int, form: str = TOKENS, block_size
     if extra is None or tokens is None or len(tokens) < length:
         return None
     if form == TOKENS or keyed_by_mount_path(request, length):
-        return prompt_digest(tokens, length, extra)
+        return fingerprint(tokens, length, extra)
     full = length // block_size
     hashes = getattr(request, "block_hashes", None) or ()
     if len(hashes) < full:
         return None
     chain = hashes[full - 1] if full else b""
-    return prompt_digest(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)
+    return fingerprint(tokens, length, extra, form=form, chain=chain, chain_tokens=full * block_size)
 
 
 def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: str) -> str | None:
@@ -298,4 +298,24 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
             keys, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
             parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], keys)
         chain = parent
-    return prompt_digest(tokens, length, extra, form=theirs, chain=chain, chain_tokens=full * block_size)
+    return fingerprint(tokens, length, extra, form=theirs, chain=chain, chain_tokens=full * block_size)
+
+
+# The choice of form, for both roles (engine/prefill/scheduler.py offers, engine/decode/
+# scheduler.py checks): the engine's own form where it has one, every token folded otherwise.
+def fingerprint_to_offer(request: Any, length: int, mine: tuple[str, int]) -> str | None:
+    """P's fingerprint of the ``length`` tokens it prefilled: in this engine's form, every token
+    folded where its block hashes are missing; None: nothing D could check."""
+    return prompt_fingerprint(request, length, *mine) or prompt_fingerprint(request, length)
+
+
+def fingerprint_to_check(request: Any, length: int, theirs: str, mine: tuple[str, int]) -> str | None:
+    """D's fingerprint of its own first ``length`` tokens in the form P used (``theirs``): the
+    tokens form, our own blocks form, or another hash block size of it (rehashed); None for a
+    form we cannot compute (another hash algorithm or seed)."""
+    form = form_of(theirs)
+    if form == TOKENS:
+        return prompt_fingerprint(request, length)
+    if form == mine[0]:
+        return prompt_fingerprint(request, length, *mine)
+    return prompt_fingerprint_rehashed(request, length, form, mine[0])
