@@ -106,10 +106,10 @@ def test_claim_whose_prompt_fingerprint_was_rewritten_is_refused_by_p(served, fr
     check; P compares the claimed fingerprint with the one it computed."""
     served.grant({"r5": SendLease(time.monotonic() + 30, 31, BLOCKS, fingerprint="1:aa")})
     base = Claim(engine_id="d", request_id="r5", replay_offset=31, block_ids=BLOCKS, reader="d#0/x")
-    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_fingerprint="1:bb"), 5)
+    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(base, fingerprint="1:bb"), 5)
     assert isinstance(reply, Reject) and "prompt fingerprint 1:bb" in reply.reason
     assert served.recorder.interval.data["events"]["claim_refused:prompt_mismatch"] == 1
-    assert isinstance(side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_fingerprint="1:aa"), 5), Granted)
+    assert isinstance(side_channel.call(HOST, free_port, msgspec.structs.replace(base, fingerprint="1:aa"), 5), Granted)
 
 
 def test_n_readers_of_one_handoff_keep_the_blocks_until_the_last_is_done(served, free_port):
