@@ -24,7 +24,7 @@ import msgspec
 #      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold. A KV
 #      head's segment is the head's own bytes (never a share of a padded page), a "replicated"
 #      segment for pages every rank holds whole, and LayerRegion.reason.
-#   5: one name for the prompt check: pd_prompt_fingerprint in the params (was pd_prompt_digest),
+#   5: one name for the prompt check: pd_prompt_fingerprint in the params (was pd_prompt_fingerprint),
 #      Claim.fingerprint (was prompt_digest).
 PROTOCOL_VERSION = 5
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.core.fingerprint import fingerprint
-from pd_connector.dev.testing.cpu_matrix import random_prompt
-from pd_connector.dev.testing.oracle import compare, parse_completion
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.oracle import compare, parse_completion
+from pd_connector.dev.rig.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -1,11 +1,11 @@
 """NixlTransport with two (or three) real NIXL agents in one process, UCX over DRAM
-(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/testing/devices.py``).
+(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/rig/devices.py``).
 
 The KV caches are CPU uint8 tensors placed the way vLLM's hybrid allocator places them
 (``KVCacheTensor``: layer ``layers[l]``'s page for block b at
 ``offset + l * layer_stride + b * block_stride``), with attention and Mamba tensors aliasing one
 allocation by block id. The page map is derived with the production code
-(``engine/from_vllm/regions.regions_from_kv_caches``); the expected bytes are computed independently from the
+(``engine/compat.regions_from_kv_caches``); the expected bytes are computed independently from the
 placement, so a wrong region, a wrong descriptor index or a stray NIXL write all show up as a
 byte mismatch somewhere in D's allocation.
 """
@@ -28,7 +28,7 @@ from pd_connector.core.layout import LayoutError
 from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
 from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 pytestmark = pytest.mark.nixl
 

@@ -503,20 +503,6 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
     assert extension_interval(0.003) == MIN_EXTEND_INTERVAL_S
 
 
-def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
-    from pd_connector.core.params import LeaseRef
-    from pd_connector.engine.metadata import ExtendTask, extend_tasks
-
-    targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]
-    refs = [LeaseRef("e", host, port, rid) for host, port, rid in targets]
-    assert extend_tasks(refs) == [
-        ExtendTask("h1", 1, 1, ["a", "c"]),
-        ExtendTask("h2", 1, 1, ["b"]),
-        ExtendTask("h1", 2, 1, ["d"]),
-    ]
-    assert extend_tasks([]) == []
-
-
 # --- readers (tensor parallelism: several D ranks read one P rank's shard) -------------------
 
 

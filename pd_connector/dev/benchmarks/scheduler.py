@@ -1,6 +1,6 @@
 """Scheduler-side cost of pd_connector: microseconds per request in our hooks vs vLLM's own.
 
-vLLM's real in-process ``Scheduler`` (``pd_connector.dev.testing.scheduler_harness``: no engine,
+vLLM's real in-process ``Scheduler`` (``pd_connector.dev.rig.scheduler_harness``: no engine,
 no worker, no GPU) runs ``--requests`` concurrent requests (all added before the first step)
 end to end, for each prompt length in ``--prompt-lens``:
 
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     t_start = time.monotonic()
     print(f"bench scheduler: {args.requests} concurrent requests, prompts {args.prompt_lens}, load {os.getloadavg()[0]:.1f}; importing vLLM...", flush=True)
-    from pd_connector.dev.testing import scheduler_harness as harness
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig import scheduler_harness as harness
+    from pd_connector.dev.rig.tiny_models import build_model
 
     # Records are formatted and written as a server at this level would, then discarded.
     sink = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the run

@@ -1,5 +1,5 @@
 """The transfer benchmark's ``tcp`` section: the connector's READ against raw NIXL between two
-processes on two "hosts" (``dev/testing/netns.py``: two network namespaces with boot ids of
+processes on two "hosts" (``dev/rig/netns.py``: two network namespaces with boot ids of
 their own, joined by a veth link), where UCX finds only ``tcp`` reachable and picks it itself.
 
 P (``serve``) and D (``read``) run as subprocesses, one on each host, and meet through files in
@@ -156,10 +156,10 @@ def run(args, cases, timeout_s: float = 900.0, own_boot_ids: bool = True) -> dic
     the logs' directory, or ``{"skipped": reason}`` where namespaces cannot be made.
     ``own_boot_ids=False``: the two namespaces stay one machine to UCX (``netns.TwoHosts``)."""
     from pd_connector.dev.benchmarks.transfer_bench import progress_delay
-    from pd_connector.dev.testing import ucx_logs
-    from pd_connector.dev.testing.netns import TwoHosts, unavailable_reason
-    from pd_connector.dev.testing.process_groups import signal_group
-    from pd_connector.dev.testing.servers import source_checkout_env
+    from pd_connector.dev.rig import ucx_logs
+    from pd_connector.dev.rig.netns import TwoHosts, unavailable_reason
+    from pd_connector.dev.rig.process_groups import signal_group
+    from pd_connector.dev.rig.servers import source_checkout_env
 
     reason = unavailable_reason()
     if reason:

@@ -3,7 +3,7 @@ request, and how long the connector's READs take against raw NIXL moving the sam
 
 In one process, with real NIXL agents (UCX over DRAM): P ranks and D ranks of a synthetic hybrid
 (two attention layers, one Mamba2 or GDN layer, laid out as vLLM shards them:
-``dev/testing/tp_layouts.py``). Per (P TP, D TP) and D rank: descriptors (NIXL's merged runs)
+``dev/rig/tp_layouts.py``). Per (P TP, D TP) and D rank: descriptors (NIXL's merged runs)
 and bytes per source rank, the connector's READs (``NixlTransport.read_plan`` +
 ``ChunkedRead``, one per source rank, posted together and polled to DONE) and raw NIXL (one
 descriptor per source rank carrying the same bytes), and their ratio. Figures, not assertions.
@@ -23,7 +23,7 @@ import numpy as np
 from pd_connector.core import shards
 from pd_connector.dev.benchmarks import report
 from pd_connector.dev.benchmarks.transfer_paths import POLL_S
-from pd_connector.dev.testing.tp_layouts import Model
+from pd_connector.dev.rig.tp_layouts import Model
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead
 
 DEFAULT_PAIRS = "1x2,2x1,2x2,1x4,4x1,2x4,4x2"

@@ -15,7 +15,7 @@ import numpy as np
 
 from pd_connector.core import shards
 from pd_connector.core.protocol import EngineCompat, GroupDesc, LayerRegion
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 ATTN_LAYERS = ("attn.0", "attn.1")
 

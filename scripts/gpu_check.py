@@ -4,7 +4,7 @@ run that writes everything to one folder.
 Steps, each a subprocess with its own time limit (a crash in NIXL or CUDA ends one step, not the
 run), all on one device (``--device``; auto: cuda where torch sees one):
   tests     pytest over tests/nixl with the buffers in VRAM or DRAM (``PD_TEST_DEVICE``,
-            ``dev/testing/devices.py``), counted in two parts: transfers (real agents, Senders
+            ``dev/rig/devices.py``), counted in two parts: transfers (real agents, Senders
             and Receivers over real side channels, unequal TP included) and digest (the
             recurrent-state digest over real READs, test_state_digest.py); tests that cannot
             apply on the device are skipped and say why
@@ -13,6 +13,8 @@ run), all on one device (``--device``; auto: cuda where torch sees one):
             (on CUDA a device-to-device copy: the ceiling), descriptors per request, the longest
             call into NIXL on D's engine thread (stall)
   bench_tp  ``pd-connector bench transfer_tp``: per D rank of unequal TP pairs, the connector vs raw NIXL
+
+It lives in scripts/ (not in the package) because it runs tests/nixl from the checkout.
 
 ``--smoke``: a tiny subset (one transfer, one unequal-TP handoff, the digest with its negative
 control, one small benchmark case) to check the plumbing; CI runs it on CPU.
@@ -38,8 +40,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DEVICE_ENV = "PD_TEST_DEVICE"  # read by pd_connector/dev/testing/devices.py
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_ENV = "PD_TEST_DEVICE"  # read by pd_connector/dev/rig/devices.py
 DIGEST_TESTS = "tests/nixl/test_state_digest.py"
 SMOKE_TESTS = [
     "tests/nixl/test_transport.py::test_read_moves_exactly_the_paired_pages[layer_major_dense-scattered]",

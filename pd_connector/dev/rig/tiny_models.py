@@ -25,10 +25,10 @@ the margin-aware oracle.
 
 Usage::
 
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
     model_dir = build_model("nemotron_h", tmp_root)
 
-    python -m pd_connector.dev.testing.tiny_models --out /tmp/tiny [--kind llama --kind nemotron_h]
+    python -m pd_connector.dev.rig.tiny_models --out /tmp/tiny [--kind llama --kind nemotron_h]
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _write_model(kind: str, out: Path) -> None:
     }
     tok = build_tokenizer()
     if kind not in classes:
-        from pd_connector.dev.testing import speculative_models
+        from pd_connector.dev.rig import speculative_models
 
         speculative_models.write(kind, out, tok, common_config(tok), _SEED)
         tok.save_pretrained(out)

@@ -14,7 +14,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from pd_connector.proxy.bodies import ROUTES
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.rig.ports import free_port
 
 SSE_CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
               b'data: {"choices":[{"text":"c"}]}\n\n', b"data: [DONE]\n\n"]

@@ -2,8 +2,8 @@
 
 Mirrors upstream ``tests/v1/kv_connector/unit/utils.py`` (not shipped in the wheel); signatures
 from vLLM 0.32.0, unchanged in 0.33. The worker is simulated by feeding
-``KVConnectorOutput`` back through ``update_from_output``. Used by tests/vllm (through
-tests/vllm/harness.py) and by ``pd_connector.dev.benchmarks.scheduler``, hence inside the package.
+``KVConnectorOutput`` back through ``update_from_output``. Used by
+``pd_connector.dev.benchmarks.scheduler``, hence inside the package, and by tests/vllm.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import urllib.error
 from pathlib import Path
 from typing import Sequence
 
-from pd_connector.dev.testing.ports import free_port
-from pd_connector.dev.testing.process_groups import group_alive, signal_group
+from pd_connector.dev.rig.ports import free_port
+from pd_connector.dev.rig.process_groups import group_alive, signal_group
 from pd_connector.urls import OPENER
 
 __all__ = ["VllmRouter", "router_binary"]
@@ -30,7 +30,7 @@ ROUTER_ENV = "PD_VLLM_ROUTER"
 def router_binary() -> Path | None:
     """The vllm-router executable, or None when it is not installed."""
     configured = os.environ.get(ROUTER_ENV)
-    path = Path(configured) if configured else Path(__file__).resolve().parents[3] / ".venv-router/bin/vllm-router"
+    path = Path(configured) if configured else Path(__file__).resolve().parents[2] / ".venv-router/bin/vllm-router"
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 

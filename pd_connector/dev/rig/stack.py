@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
-from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
-from pd_connector.dev.testing.oracle import Completion, complete
-from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.ports import free_port, free_ports
-from pd_connector.dev.testing.proxy_process import ProxyProcess
-from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
+from pd_connector.dev.rig.cpu_matrix import WARM_UP_SEED, random_prompt
+from pd_connector.dev.rig.oracle import Completion, complete
+from pd_connector.dev.rig.placement import cpu_binds
+from pd_connector.dev.rig.ports import free_port, free_ports
+from pd_connector.dev.rig.proxy_process import ProxyProcess
+from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
 
 
 def kv_transfer_config(

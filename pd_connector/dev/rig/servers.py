@@ -30,9 +30,9 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from pd_connector.dev.testing.ports import free_port
-from pd_connector.dev.testing.process_groups import group_alive, group_members, signal_group
-from pd_connector.dev.testing.prometheus import read_metric, read_metric_labels
+from pd_connector.dev.rig.ports import free_port
+from pd_connector.dev.rig.process_groups import group_alive, group_members, signal_group
+from pd_connector.dev.rig.prometheus import read_metric, read_metric_labels
 from pd_connector.urls import OPENER
 
 __all__ = ["ServerError", "VllmServer", "source_checkout_env", "start_many"]

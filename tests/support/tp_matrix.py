@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
-from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
-from pd_connector.dev.testing.oracle import Completion, complete
-from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.ports import free_ports
-from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
-from pd_connector.dev.testing.stack import kv_transfer_config, tp_args
+from pd_connector.dev.rig.cpu_matrix import WARM_UP_SEED, random_prompt
+from pd_connector.dev.rig.oracle import Completion, complete
+from pd_connector.dev.rig.placement import cpu_binds
+from pd_connector.dev.rig.ports import free_ports
+from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
+from pd_connector.dev.rig.stack import kv_transfer_config, tp_args
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Generous timeouts: three worker processes of two instances share two cores.
@@ -52,7 +52,7 @@ class TPInstance:
         return {s: self.server.metric("vllm:prompt_tokens_by_source_total", {"source": s}) or 0.0 for s in SOURCES}
 
     def events(self) -> dict[str, float]:
-        from pd_connector.dev.testing.prometheus import read_metric_labels
+        from pd_connector.dev.rig.prometheus import read_metric_labels
 
         return {
             labels["event"]: self.server.metric("vllm:pd_events_total", {"event": labels["event"]}) or 0.0

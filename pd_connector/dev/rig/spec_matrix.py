@@ -24,11 +24,11 @@ from typing import Any, Sequence
 
 from pd_connector.core.handoff import RecomputeProfile, plan_handoff, min_recompute_tokens
 from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
-from pd_connector.dev.testing.oracle import Completion, Verdict, compare, complete
-from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.ports import free_port
-from pd_connector.dev.testing.servers import VllmServer, source_checkout_env, start_many
-from pd_connector.dev.testing.speculative_models import MTP_MODULES
+from pd_connector.dev.rig.oracle import Completion, Verdict, compare, complete
+from pd_connector.dev.rig.placement import cpu_binds
+from pd_connector.dev.rig.ports import free_port
+from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
+from pd_connector.dev.rig.speculative_models import MTP_MODULES
 
 # Connector settings of the many-instance test modules. NIXL's progress thread stays on (its
 # default): without it a peer's UCX wire-up waits for the other engine to step, and two kv_both
@@ -153,7 +153,7 @@ class SpecInstance:
         return complete(self.server.base_url, self.served_model_name, prompt, max_tokens, kv_transfer_params=params)
 
     def events(self) -> dict[str, float]:
-        from pd_connector.dev.testing.prometheus import read_metric_labels
+        from pd_connector.dev.rig.prometheus import read_metric_labels
 
         out: dict[str, float] = {}
         for labels in read_metric_labels(self.server.base_url, "vllm:pd_events_total"):
@@ -200,7 +200,7 @@ class InstanceSpec:
 
 def kv_both_config(spec: InstanceSpec) -> str:
     if spec.kv_connector == "PDConnector":
-        from pd_connector.dev.testing.stack import kv_transfer_config
+        from pd_connector.dev.rig.stack import kv_transfer_config
 
         return kv_transfer_config("kv_both", free_port(), "cpu", **spec.extra_config)
     return json.dumps(

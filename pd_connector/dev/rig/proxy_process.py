@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.rig.ports import free_port
 from pd_connector.urls import OPENER
 
 HEALTHY_WITHIN_S = 60.0

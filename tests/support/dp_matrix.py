@@ -18,14 +18,14 @@ from typing import Any
 
 from pd_connector.core import ranks
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
-from pd_connector.dev.testing.cpu_matrix import WARM_UP_SEED, random_prompt
-from pd_connector.dev.testing.oracle import Completion, complete
-from pd_connector.dev.testing.placement import cpu_binds
-from pd_connector.dev.testing.ports import free_ports
-from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
-from pd_connector.dev.testing.stack import kv_transfer_config, tp_args
+from pd_connector.dev.rig.cpu_matrix import WARM_UP_SEED, random_prompt
+from pd_connector.dev.rig.oracle import Completion, complete
+from pd_connector.dev.rig.placement import cpu_binds
+from pd_connector.dev.rig.ports import free_ports
+from pd_connector.dev.rig.servers import VllmServer, source_checkout_env
+from pd_connector.dev.rig.stack import kv_transfer_config, tp_args
 # The same lifecycle as the TP matrix's: start together, stop every one.
-from pd_connector.dev.testing.tp_matrix import running  # noqa: F401
+from support.tp_matrix import running  # noqa: F401
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 RANK_HEADER = "X-data-parallel-rank"
@@ -72,7 +72,7 @@ class DPInstance:
         }
 
     def events(self, rank: int | None = None) -> dict[str, float]:
-        from pd_connector.dev.testing.prometheus import read_metric_labels
+        from pd_connector.dev.rig.prometheus import read_metric_labels
 
         engine = {} if rank is None else {"engine": str(rank)}
         names = {lab["event"] for lab in read_metric_labels(self.server.base_url, "vllm:pd_events_total") if "event" in lab}
