@@ -67,7 +67,7 @@ class Lease(NamedTuple):
     deadline: float
     offset: int
     block_ids: tuple[tuple[int, ...], ...]
-    digest: str = ""
+    fingerprint: str = ""
     requests: int = 1  # D requests that read this handoff (the client's n)
     readers: int = 1  # completions per D request on this rank (the largest count announced)
     claimed: frozenset[str] = frozenset()  # readers granted a claim
@@ -130,7 +130,7 @@ class LeaseTable:
         deadline: float,
         offset: int = 0,
         block_ids: Sequence[Sequence[int]] = (),
-        digest: str = "",
+        fingerprint: str = "",
         requests: int = 1,
         now: float | None = None,
         checkpoints: Sequence = (),
@@ -140,7 +140,7 @@ class LeaseTable:
         ``checkpoints``: the prompt checkpoints leased with them (``protocol.CheckpointBlocks``)."""
         cap = (deadline if now is None else now) + self.max_hold
         lease = Lease(
-            deadline, offset, _frozen(block_ids), digest, max(1, requests), cap=cap,
+            deadline, offset, _frozen(block_ids), fingerprint, max(1, requests), cap=cap,
             checkpoints=_frozen_checkpoints(checkpoints),
         )
         early = self._early.pop(request_id, None)
@@ -160,12 +160,12 @@ class LeaseTable:
         extend_to: float,
         readers: int = 1,
         reader: str = "",
-        digest: str | None = None,
+        fingerprint: str | None = None,
         checkpoints: Sequence = (),
     ) -> tuple[str, str]:
         """(outcome, explanation) for D's claim; on GRANTED the deadline becomes at least
         ``extend_to``, ``reader`` counts as reading until it completes, and the lease waits for
-        at least ``readers`` completions per D request. ``digest`` None: not compared.
+        at least ``readers`` completions per D request. ``fingerprint`` None: not compared.
         ``checkpoints``: the prompt checkpoints D reads too, each one this lease holds."""
         lease = self._leases.get(request_id)
         if lease is None:
@@ -189,10 +189,10 @@ class LeaseTable:
                 f"claim for {request_id} reads checkpoints {sorted(stray)} this instance did not lease "
                 f"with it ({sorted(lease.checkpoints)}): parameters altered in transit"
             )
-        if digest is not None and digest != lease.digest:
+        if fingerprint is not None and fingerprint != lease.fingerprint:
             return PROMPT_MISMATCH, (
-                f"claim for {request_id}: the decode request's prompt fingerprint {digest or '(none)'} "
-                f"is not the one of the {offset} tokens this instance computed ({lease.digest}): "
+                f"claim for {request_id}: the decode request's prompt fingerprint {fingerprint or '(none)'} "
+                f"is not the one of the {offset} tokens this instance computed ({lease.fingerprint}): "
                 "another prompt, or parameters altered in transit"
             )
         if reader in lease.done or (lease.closing and reader not in lease.claimed):

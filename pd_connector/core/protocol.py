@@ -24,9 +24,11 @@ import msgspec
 #      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold. A KV
 #      head's segment is the head's own bytes (never a share of a padded page), a "replicated"
 #      segment for pages every rank holds whole, and LayerRegion.reason.
-#   5: prompt checkpoints below the offset: pd_checkpoints in the params (their own version,
+#   5: one name for the prompt check: pd_prompt_fingerprint in the params (was pd_prompt_fingerprint),
+#      Claim.fingerprint (was prompt_digest).
+#   6: prompt checkpoints below the offset: pd_checkpoints in the params (their own version,
 #      CHECKPOINTS_VERSION in params.py), the ones D reads in Claim.checkpoints.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -118,7 +120,7 @@ class EngineCompat(msgspec.Struct, frozen=True):
     # which only a P running the same drafter computed. The token count may differ (the replay
     # offset absorbs that).
     speculative: str = "none"
-    # The model's identity as vLLM resolved it (engine/identity.py model_identity): weights and
+    # The model's identity as vLLM resolved it (engine/from_vllm/identity.py model_identity): weights and
     # tokenizer (HF id or local directory name, revisions), a local directory's content
     # (``model_files``: config, tokenizer, weight files sampled, so another model under the same
     # directory name differs), quantization, and what decides positions: the RoPE parameters
@@ -215,9 +217,9 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     # Who reads (a D rank) and how many readers this P rank waits for before it frees.
     reader: str = ""
     readers: Readers = 1
-    # D's own fingerprint of its prompt[:replay_offset] (core/prompt_digest.py): P grants only
+    # D's own fingerprint of its prompt[:replay_offset] (core/fingerprint.py): P grants only
     # if it is the one P computed, so a fingerprint rewritten in the params cannot pass.
-    prompt_digest: str = ""
+    fingerprint: str = ""
     # The prompt checkpoints D reads with the offset's blocks: each one P leased (D may read
     # fewer than P offered, never another).
     checkpoints: list[CheckpointBlocks] = []

@@ -13,11 +13,11 @@ import time
 import pytest
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import CheckpointBlocks, Welcome
 from pd_connector.engine.metadata import RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.engine.prefill.sender import Sender
 
 from test_chunked_read import COMPAT
 from test_state_digest import blocks, digester, pair  # noqa: F401 (pair: fixture)
@@ -39,7 +39,7 @@ def _load(p, d, port: int, claimed: list[CheckpointBlocks]) -> tuple[set[str], d
     try:
         sender.grant({"P-r1": SendLease(time.monotonic() + 30, 15, blocks(MAIN, 0), checkpoints=LEASED)})
         task = RecvTask(
-            PrefillRef("p", "127.0.0.1", port, "P-r1"), MAIN, 16, 15, blocks(MAIN, 0),
+            LeaseRef("p", "127.0.0.1", port, "P-r1"), MAIN, 16, 15, blocks(MAIN, 0),
             checkpoints=claimed, checkpoint_pairs=CHECKPOINT,
         )
         receiver.add("r1", task)
@@ -50,7 +50,7 @@ def _load(p, d, port: int, claimed: list[CheckpointBlocks]) -> tuple[set[str], d
             receiver.advance()
             failed = dict(receiver.failed)
             finished = receiver.take_results()[0]
-            sender.collect(p.transport.take_notifications())
+            sender.blocks_to_free(p.transport.take_notifications())
             assert time.monotonic() < deadline
             time.sleep(0.002)
         return finished, failed
