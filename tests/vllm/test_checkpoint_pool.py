@@ -13,7 +13,9 @@ caching across the handoff"). Checked per speculative setting, unit and backend 
   fallback;
 - negative control: with the states withheld (fault switch on D) the hit drops where it
   rested on them;
-- prefix caching on one side only: D without it refuses the states alone and loads the rest.
+- prefix caching on one side only: D without it refuses the states alone and loads the rest;
+- the blocks: P's pin lives until its lease ends (or the request is aborted), D's checkpoint
+  block is keyed only when its load succeeded.
 """
 
 from __future__ import annotations
@@ -231,3 +233,64 @@ def test_p_without_prefix_caching_sends_no_checkpoints(models):
     assert KEY_CHECKPOINTS not in params
     _, local, claimed = _decode(d, turn1, params)
     assert local == 1 and claimed == []
+
+
+def _prefill(p, prompt):
+    req = make_request(prompt, {"do_remote_decode": True}, max_tokens=1, block_size=p.hash_block_size)
+    p.add_request(req)
+    params = None
+    for _ in range(10):
+        _, eo = run_step(p)
+        _, done, params = _outputs(eo, req.request_id)
+        if done:
+            break
+    return req, params
+
+
+def test_p_pins_a_checkpoint_until_its_lease_ends(models):
+    """vLLM frees the checkpoint from P's table before request_finished; P's pin keeps the block
+    (and its bytes) until every P rank reported the lease ended, then frees it, still cached."""
+    p = _scheduler(models, "plain", "kv_producer")
+    pool = p.kv_cache_manager.block_pool
+    req, params = _prefill(p, random_prompt(2 * B + 5, seed=21))
+    block = pool.blocks[params[KEY_CHECKPOINTS]["states"][0]["block_ids"][1][0]]
+    assert block.ref_cnt == 1 and block.block_hash is not None
+    run_step(p, kv_output=KVConnectorOutput(finished_sending={req.request_id}))
+    assert block.ref_cnt == 0 and block.block_hash is not None  # evictable, still in P's cache
+
+
+def test_an_aborted_prefill_unpins_its_checkpoints(models):
+    """Negative of the one above: a P request aborted after vLLM offered its checkpoint hands
+    nothing over and frees the pin at once."""
+    from vllm.v1.request import RequestStatus
+
+    p = _scheduler(models, "plain", "kv_producer")
+    pool = p.kv_cache_manager.block_pool
+    req = make_request(random_prompt(2 * B + 5, seed=22), {"do_remote_decode": True}, max_tokens=1,
+                       block_size=p.hash_block_size)
+    p.add_request(req)
+    run_step(p)  # the chunk [0, 2B): vLLM offers the state at 2B, P pins it
+    pins = p.connector._scheduler.checkpoints._pins[req.request_id]
+    block = pins[2 * B][1]
+    assert block.ref_cnt == 2  # the request's and P's pin
+    p.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert block.ref_cnt == 0 and req.request_id not in p.connector._scheduler.checkpoints._pins
+
+
+def test_a_failed_load_registers_no_checkpoint(models):
+    """D's checkpoint block is freed unkeyed when the load fails (nothing P did not deliver
+    enters D's prefix cache); the same load ending well keys it (the negative control)."""
+    p, d = (_scheduler(models, "plain", role) for role in ("kv_producer", "kv_consumer"))
+    pool = d.kv_cache_manager.block_pool
+    for failed in (True, False):
+        turn1 = random_prompt(2 * B + 5, seed=23 + failed)
+        _, params = _prefill(p, turn1)
+        req = make_request(turn1, dict(params), max_tokens=OUTPUT, block_size=d.hash_block_size)
+        d.add_request(req)
+        out, _ = run_step(d)
+        task = out.kv_connector_metadata.to_recv[req.request_id]
+        block = pool.blocks[task.checkpoint_pairs[1][0][1]]
+        ended = {req.request_id}
+        run_step(d, kv_output=KVConnectorOutput(finished_recving=ended, failed_recving=ended if failed else set()))
+        assert block.ref_cnt == 0 and (block.block_hash is None) == failed, failed
+        assert (2 * B in cached_states(d, turn1)) != failed
