@@ -4,8 +4,9 @@ STAMP := $(VENV)/.pd-installed
 # vLLM 0.33 (CUDA wheel, no CPU build): its in-process scheduler only, next to CPU torch.
 VENV033 := .venv-vllm033
 STAMP033 := $(VENV033)/.pd-installed
-# What runs against vLLM 0.33: the in-process Scheduler suite and the unit tests that import vLLM.
-TESTS033 := tests/vllm tests/unit/test_leases.py
+# What runs against vLLM 0.33: tests/vllm, every test that imports vLLM and starts no server
+# (tests/unit imports no vLLM: tests/unit/test_house.py).
+TESTS033 := tests/vllm
 
 .PHONY: demo test unit test-vllm033 venv venv033 clean-venv
 

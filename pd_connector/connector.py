@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from pd_connector.core.config import parse_settings
 from pd_connector.engine.metrics import PDPromMetrics, PDStats
 from pd_connector.engine.metadata import PDMetadata
-from pd_connector.engine.compat import check_supported
+from pd_connector.engine.from_vllm.refusals import check_supported
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,17 +49,17 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             # connector (Scheduler.__init__): our default is to recompute, never to fail or
             # return text computed on a bad state.
             kv_transfer.kv_load_failure_policy = self.settings.load_failure_policy
-            from pd_connector.engine.scheduler import SchedulerHalf
+            from pd_connector.engine.scheduler import SchedulerSide
 
-            self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
         else:
             from pd_connector.transport.backends import check_backends
-            from pd_connector.engine.worker import WorkerHalf
+            from pd_connector.engine.worker import WorkerSide
 
             # Before any NIXL agent or socket exists: NIXL itself only warns about a missing
             # plugin and every transfer would fail later.
             check_backends(self.settings.nixl_backends)
-            self._worker = WorkerHalf(vllm_config, kv_cache_config, self.settings)
+            self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         # A P/D handoff restores every transfer group, not only the prefix-cacheable ones.
-        # SchedulerHalf keeps them: KVCacheConfig.transfer_group_ids rebuilds the tuple per call.
+        # SchedulerSide keeps them: KVCacheConfig.transfer_group_ids rebuilds the tuple per call.
         return self._scheduler.group_ids
 
     def update_state_after_alloc(

@@ -35,4 +35,4 @@ if [ -n "$need" ]; then
   echo "gpu_check: $("$PY" -V 2>&1) at $(command -v "$PY") lacks: $need (wheels: scripts/fetch_gpu_wheels.sh)" >&2
   exit 2
 fi
-exec "$PY" -m pd_connector.dev.gpu_check "$@"
+exec "$PY" scripts/gpu_check.py "$@"

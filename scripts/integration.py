@@ -12,8 +12,8 @@ any mismatch.
                  D's requirement to P and the handoff is honoured).
 
 Built on ``pd_connector.dev.demo`` (``run_prompts``, ``print_table``) and
-``pd_connector.dev.testing.stack`` (baseline + P + D + proxy), with the CPU model matrix of
-``pd_connector.dev.testing.cpu_matrix``. It starts vLLM servers: on a shared box run it under
+``pd_connector.dev.rig.stack`` (baseline + P + D + proxy), with the CPU model matrix of
+``pd_connector.dev.rig.cpu_matrix``. It starts vLLM servers: on a shared box run it under
 ``flock /tmp/pd-e2e.lock``. Not a benchmark (those are ``pd-connector bench``).
 
 Examples:
@@ -30,12 +30,12 @@ import sys
 from pathlib import Path
 
 from pd_connector.dev.demo import DEFAULT_ROOT, print_table, run_prompts
-from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
-from pd_connector.dev.testing.stack import PDStack, StackConfig
+from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
+from pd_connector.dev.rig.stack import PDStack, StackConfig
 
 
 def cpu_runs(args):
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
 
     for kind in args.models or sorted(CPU_MODELS):
         config = StackConfig(

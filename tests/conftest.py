@@ -1,4 +1,5 @@
-"""Wall time per test module, printed at the end of every run (CI's breakdown, docs/testing.md).
+"""Wall time per test module, printed at the end of every run (CI's breakdown, docs/testing.md);
+and tests/ on sys.path for tests/support.
 
 A module's time is the sum of its tests' setup, call and teardown phases, so a session or module
 fixture (a server stack) counts for the module whose test started it, and a fixture torn down in
@@ -6,10 +7,16 @@ a test's teardown counts for that test's module."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
+
+# Test-only tooling (tests/support) is imported as ``support``, whatever pytest's import mode.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 _module_seconds: dict[str, float] = defaultdict(float)
 _module_tests: dict[str, int] = defaultdict(int)

@@ -25,7 +25,7 @@ from pd_connector.core.params import (
     HandoffParams,
     decode_handoff_params,
 )
-from pd_connector.core.prompt_digest import DIGEST_VERSION, form_of
+from pd_connector.core.fingerprint import FINGERPRINT_VERSION, form_of
 from pd_connector.core.protocol import PROTOCOL_VERSION, ProtocolError
 
 
@@ -127,19 +127,6 @@ def plan_handoff(
     return HandoffPlan(offset, checkpoint)
 
 
-def choose_replay_offset(
-    num_prompt_tokens: int,
-    profile: RecomputeProfile,
-    requested_min_recompute: int = 0,
-    configured_min_recompute: int = 0,
-    max_checkpoint_recompute: int = 0,
-) -> int:
-    """``plan_handoff``'s offset."""
-    return plan_handoff(
-        num_prompt_tokens, profile, requested_min_recompute, configured_min_recompute, max_checkpoint_recompute
-    ).offset
-
-
 def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     """The prompt checkpoint P must ask vLLM to keep for its own next turn, or 0.
 
@@ -148,7 +135,7 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
     ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
     position where the conversation's next turn resumes. When the two differ and P computed
-    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill_half.py). Never
+    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/scheduler.py). Never
     with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
     computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
     checkpoint, unit = plan.checkpoint, profile.replay_grid
@@ -223,7 +210,7 @@ def decide_on_decode(
     num_prompt_tokens: int,
     profile: RecomputeProfile,
     num_groups: int | None = None,
-    prompt_digest: Callable[[int, str], str | None] | None = None,
+    prompt_fingerprint: Callable[[int, str], str | None] | None = None,
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
@@ -236,8 +223,8 @@ def decide_on_decode(
     that is checked before the offset, so the refusal names the structural cause, which no
     routing hint can fix, rather than an offset a hint would only move.
 
-    ``prompt_digest(R, P's fingerprint)`` is this instance's fingerprint of its own first R
-    prompt tokens in the form P used (core/prompt_digest.py; None: it cannot compute one in that
+    ``prompt_fingerprint(R, P's fingerprint)`` is this instance's fingerprint of its own first R
+    prompt tokens in the form P used (core/fingerprint.py; None: it cannot compute one in that
     form). Computed last, once everything cheaper passed; a handoff of another prompt is refused
     as ``prompt_mismatch``. None skips the check.
     """
@@ -287,9 +274,9 @@ def decide_on_decode(
             ),
             params=params,
         )
-    if offset > 0 and prompt_digest is not None:
-        theirs = params.pd_prompt_digest
-        mismatch = _prompt_mismatch(prompt_digest(offset, theirs), theirs, offset, num_prompt_tokens)
+    if offset > 0 and prompt_fingerprint is not None:
+        theirs = params.pd_prompt_fingerprint
+        mismatch = _prompt_mismatch(prompt_fingerprint(offset, theirs), theirs, offset, num_prompt_tokens)
         if mismatch:
             return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
     return Accepted(offset=offset, params=params)
@@ -304,7 +291,7 @@ def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_toke
             f"this instance cannot fingerprint its {num_prompt_tokens}-token prompt in the form the "
             f"prefill instance used ({form_of(theirs) or theirs[:40]!r}) to check the {offset} "
             "tokens it computed: P and D differ in --prefix-caching-hash-algo, hash block size, "
-            f"PYTHONHASHSEED or fingerprint version (this instance's: {DIGEST_VERSION}), the prompt "
+            f"PYTHONHASHSEED or fingerprint version (this instance's: {FINGERPRINT_VERSION}), the prompt "
             "has embeddings, or a multimodal item's data is not in this engine"
         )
     if mine == theirs:
@@ -325,7 +312,6 @@ __all__ = [
     "RecomputeProfile",
     "Refused",
     "checkpoint_to_keep",
-    "choose_replay_offset",
     "decide_on_decode",
     "mamba_checkpoint_position",
     "min_recompute_tokens",

@@ -3,7 +3,7 @@
 vLLM steps again at once while P holds a lease or D waits for a load
 (``Scheduler.has_requests`` in vllm/v1/core/sched/scheduler.py), even when a step schedules
 nothing: without a wait the engine core and the worker spin for the whole lease, a core's worth
-of CPU taken from whatever else runs on a CPU host. The worker (``WorkerHalf``) waits, bounded by
+of CPU taken from whatever else runs on a CPU host. The worker (``WorkerSide``) waits, bounded by
 ``idle_step_wait_ms``, only when this says so; side-channel news ends the wait early.
 """
 

@@ -67,7 +67,7 @@ class Lease(NamedTuple):
     deadline: float
     offset: int
     block_ids: tuple[tuple[int, ...], ...]
-    digest: str = ""
+    fingerprint: str = ""
     requests: int = 1  # D requests that read this handoff (the client's n)
     readers: int = 1  # completions per D request on this rank (the largest count announced)
     claimed: frozenset[str] = frozenset()  # readers granted a claim
@@ -123,14 +123,14 @@ class LeaseTable:
         deadline: float,
         offset: int = 0,
         block_ids: Sequence[Sequence[int]] = (),
-        digest: str = "",
+        fingerprint: str = "",
         requests: int = 1,
         now: float | None = None,
     ) -> None:
         """Lease ``request_id``'s blocks until ``deadline``, for ``requests`` D requests, and at
         most ``max_hold`` past ``now`` (the grant's time; default: the deadline's own bound)."""
         cap = (deadline if now is None else now) + self.max_hold
-        lease = Lease(deadline, offset, _frozen(block_ids), digest, max(1, requests), cap=cap)
+        lease = Lease(deadline, offset, _frozen(block_ids), fingerprint, max(1, requests), cap=cap)
         early = self._early.pop(request_id, None)
         if early is not None:
             lease = lease._replace(readers=early.readers, done=early.done, closing=early.whole)
@@ -148,11 +148,11 @@ class LeaseTable:
         extend_to: float,
         readers: int = 1,
         reader: str = "",
-        digest: str | None = None,
+        fingerprint: str | None = None,
     ) -> tuple[str, str]:
         """(outcome, explanation) for D's claim; on GRANTED the deadline becomes at least
         ``extend_to``, ``reader`` counts as reading until it completes, and the lease waits for
-        at least ``readers`` completions per D request. ``digest`` None: not compared."""
+        at least ``readers`` completions per D request. ``fingerprint`` None: not compared."""
         lease = self._leases.get(request_id)
         if lease is None:
             if request_id in self._expired:
@@ -169,10 +169,10 @@ class LeaseTable:
                 f"does not match the lease (offset {lease.offset}, blocks "
                 f"{list(map(list, lease.block_ids))}): parameters altered in transit"
             )
-        if digest is not None and digest != lease.digest:
+        if fingerprint is not None and fingerprint != lease.fingerprint:
             return PROMPT_MISMATCH, (
-                f"claim for {request_id}: the decode request's prompt fingerprint {digest or '(none)'} "
-                f"is not the one of the {offset} tokens this instance computed ({lease.digest}): "
+                f"claim for {request_id}: the decode request's prompt fingerprint {fingerprint or '(none)'} "
+                f"is not the one of the {offset} tokens this instance computed ({lease.fingerprint}): "
                 "another prompt, or parameters altered in transit"
             )
         if reader in lease.done or (lease.closing and reader not in lease.claimed):

@@ -23,9 +23,9 @@ KEY_MIN_RECOMPUTE = "pd_min_recompute_tokens"
 # Router -> P: how many decode requests will load this handoff (the client's n, when the router
 # prefills once for n samples); P's lease waits for each of them.
 KEY_DECODE_REQUESTS = "pd_decode_requests"
-# P -> D: the prompt fingerprint (core/prompt_digest.py) and how long P keeps the blocks before
+# P -> D: the prompt fingerprint (core/fingerprint.py) and how long P keeps the blocks before
 # a claim or an extension (D's queued handoffs are extended every third of it).
-KEY_PROMPT_DIGEST = "pd_prompt_digest"
+KEY_PROMPT_FINGERPRINT = "pd_prompt_fingerprint"
 KEY_LEASE_SECONDS = "pd_lease_seconds"
 # Largest pd_decode_requests P accepts (vLLM's own n is unbounded; a lease waits for each).
 MAX_DECODE_REQUESTS = 1024
@@ -49,7 +49,7 @@ MAX_BLOCK_ID = 2**31 - 1
 BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
 
 
-class PrefillRef(msgspec.Struct, frozen=True):
+class LeaseRef(msgspec.Struct, frozen=True):
     """One handoff on its prefill engine: which engine, where its side channel listens, P's
     request id, and P's tensor-parallel size (rank r listens on ``port + r``)."""
 
@@ -82,14 +82,14 @@ class HandoffParams(msgspec.Struct, frozen=True):
     remote_num_tokens: int | None = None
     # P's tensor-parallel size (NixlConnector's key): D reads each rank's shard.
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
-    # The prompt fingerprint of [0, replay_offset) (core/prompt_digest.py); "" with offset 0.
-    pd_prompt_digest: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # The prompt fingerprint of [0, replay_offset) (core/fingerprint.py); "" with offset 0.
+    pd_prompt_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # How long P keeps the blocks unless claimed or extended (None: a P that does not say).
     pd_lease_seconds: Annotated[float, msgspec.Meta(gt=0, le=1e7)] | None = None
 
     @property
-    def prefill(self) -> PrefillRef:
-        return PrefillRef(
+    def lease(self) -> LeaseRef:
+        return LeaseRef(
             self.remote_engine_id, self.remote_host, self.remote_port, self.remote_request_id, self.tp_size
         )
 
@@ -103,7 +103,7 @@ def encode_handoff_params(
     host: str,
     port: int,
     tp_size: int = 1,
-    prompt_digest: str = "",
+    fingerprint: str = "",
     lease_seconds: float | None = None,
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
@@ -126,7 +126,7 @@ def encode_handoff_params(
         "transfer_mode": "pull",
         KEY_REPLAY_OFFSET: offset,
         KEY_VERSION: PROTOCOL_VERSION,
-        KEY_PROMPT_DIGEST: prompt_digest,
+        KEY_PROMPT_FINGERPRINT: fingerprint,
         KEY_LEASE_SECONDS: lease_seconds,
     }
 
@@ -161,7 +161,7 @@ def decode_handoff_params(raw: object) -> HandoffParams:
     return params
 
 
-def release_target(raw: object) -> PrefillRef | None:
+def release_target(raw: object) -> LeaseRef | None:
     """The P to release, from params too broken to decode as a whole (wrong version, bad
     offset...), so P frees the blocks now rather than at lease expiry. None if unusable, and
     None for params without ``replay_offset``: they come from another connector (vLLM's NIXL),
@@ -177,7 +177,7 @@ def release_target(raw: object) -> PrefillRef | None:
         "tp_size": tp_size if isinstance(tp_size, int) and 1 <= tp_size <= MAX_TP else 1,
     }
     try:
-        target = msgspec.convert(fields, PrefillRef, strict=True)
+        target = msgspec.convert(fields, LeaseRef, strict=True)
     except (msgspec.ValidationError, RecursionError):
         return None
     return target if 0 < target.port < 65536 and target.host else None

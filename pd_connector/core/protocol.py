@@ -24,7 +24,9 @@ import msgspec
 #      P's lease_seconds near max_hold_seconds); D trusts a READ only inside that hold. A KV
 #      head's segment is the head's own bytes (never a share of a padded page), a "replicated"
 #      segment for pages every rank holds whole, and LayerRegion.reason.
-PROTOCOL_VERSION = 4
+#   5: one name for the prompt check: pd_prompt_fingerprint in the params (was pd_prompt_fingerprint),
+#      Claim.fingerprint (was prompt_digest).
+PROTOCOL_VERSION = 5
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -110,7 +112,7 @@ class EngineCompat(msgspec.Struct, frozen=True):
     # which only a P running the same drafter computed. The token count may differ (the replay
     # offset absorbs that).
     speculative: str = "none"
-    # The model's identity as vLLM resolved it (engine/identity.py model_identity): weights and
+    # The model's identity as vLLM resolved it (engine/from_vllm/identity.py model_identity): weights and
     # tokenizer (HF id or local directory name, revisions), a local directory's content
     # (``model_files``: config, tokenizer, weight files sampled, so another model under the same
     # directory name differs), quantization, and what decides positions: the RoPE parameters
@@ -198,9 +200,9 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     # Who reads (a D rank) and how many readers this P rank waits for before it frees.
     reader: str = ""
     readers: Readers = 1
-    # D's own fingerprint of its prompt[:replay_offset] (core/prompt_digest.py): P grants only
+    # D's own fingerprint of its prompt[:replay_offset] (core/fingerprint.py): P grants only
     # if it is the one P computed, so a fingerprint rewritten in the params cannot pass.
-    prompt_digest: str = ""
+    fingerprint: str = ""
 
 
 class Extend(msgspec.Struct, tag="extend", frozen=True):

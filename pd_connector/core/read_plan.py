@@ -1,15 +1,16 @@
-"""How D posts one planned READ (pure, numpy): slices by size where the post itself copies
-(``chunk_bounds``), and for NIXL's UCX worker threads the order and posts that give every thread
-an equal share (``cut_long_runs``, ``thread_slices``). The descriptor plan itself, and NIXL's
-merge rule these build on, live in ``core/layout.py``."""
+"""How D plans and posts one READ (pure, numpy): ``Planner`` per peer, with slices by size where
+the post itself copies (``chunk_bounds``), and for NIXL's UCX worker threads the order and posts
+that give every thread an equal share (``cut_long_runs``, ``thread_slices``). The descriptor
+indices, and NIXL's merge rule these build on, live in ``core/layout.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pd_connector.core.layout import DescriptorRows, run_starts
+from pd_connector.core.layout import DescriptorRows, count_runs, merged_ranges, plan_indices, run_starts
 
 
 def chunk_bounds(nbytes: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
@@ -127,3 +128,55 @@ class ReadPlan:
     @property
     def empty(self) -> bool:
         return self.local_idx.size == 0
+
+
+class Planner:
+    """Every READ from one peer is planned here: descriptor indices for per-group (remote block,
+    local block) pairs, the slices it is posted in, its runs and bytes. The transport builds one
+    per peer from the two prepared descriptor lists' rows; NIXL is never called here.
+
+    ``shard``: a TP shard plan, where this peer may hold nothing of some groups (other P ranks
+    send those). ``copies_in_post``: DRAM without UCX worker threads, where the post itself
+    copies (slices by size); else ``threads`` worker threads share each READ."""
+
+    __slots__ = ("local", "remote", "shard", "threads", "copies_in_post")
+
+    def __init__(self, local: DescriptorRows, remote: DescriptorRows, *, shard: bool, threads: int, copies_in_post: bool):
+        self.local, self.remote, self.shard = local, remote, shard
+        self.threads, self.copies_in_post = threads, copies_in_post
+
+    def indices(self, pairs: Sequence[Sequence[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """Descriptor indices (local, remote); with several worker threads, long runs cut so that
+        each thread gets a share (``cut_long_runs``)."""
+        if self.shard:
+            pairs = [g if i in self.local.rows_of_group else () for i, g in enumerate(pairs)]
+        local_idx, remote_idx = plan_indices(pairs, self.local, self.remote)
+        return cut_long_runs(
+            local_idx, remote_idx, self.local, self.remote, self.threads, RUN_PIECES_PER_THREAD, MIN_RUN_PIECE_BYTES
+        )
+
+    def slices(self, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int) -> list[tuple[int, int]]:
+        """``ChunkedRead`` bounds: where the post copies, slices of at most ``chunk_bytes``;
+        through worker threads one slice, or two (``thread_slices``)."""
+        if self.copies_in_post:
+            return chunk_bounds(self.local.nbytes_of(local_idx), chunk_bytes)
+        return thread_slices(local_idx, remote_idx, self.local, self.remote, self.threads)
+
+    def count_runs(self, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
+        """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
+        return count_runs(local_idx, remote_idx, self.local, self.remote)
+
+    def merged_ranges(self, local_idx: np.ndarray, remote_idx: np.ndarray):
+        """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
+        return merged_ranges(local_idx, remote_idx, self.local, self.remote)
+
+    def plan(self, pairs: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> ReadPlan:
+        """Everything about one READ, computed once."""
+        local_idx, remote_idx = self.indices(pairs)
+        return ReadPlan(
+            local_idx,
+            remote_idx,
+            self.slices(local_idx, remote_idx, chunk_bytes) if local_idx.size else [],
+            self.count_runs(local_idx, remote_idx),
+            int(self.local.nbytes_of(local_idx).sum()),
+        )

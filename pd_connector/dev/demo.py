@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pd_connector.dev.testing.oracle import compare
+from pd_connector.dev.rig.oracle import compare
 
 DEFAULT_ROOT = Path(os.environ.get("PD_CONNECTOR_HOME", Path.home() / ".cache" / "pd_connector"))
 
@@ -52,9 +52,9 @@ def main(args: argparse.Namespace | None = None) -> int:
     if device != "cpu":
         print("the demo runs on CPU; for GPUs use scripts/integration.py --device cuda", file=sys.stderr)
         return 2
-    from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
-    from pd_connector.dev.testing.stack import PDStack, StackConfig
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
+    from pd_connector.dev.rig.stack import PDStack, StackConfig
+    from pd_connector.dev.rig.tiny_models import build_model
 
     kind = "nemotron_h"
     print(f"building a tiny random-weight {kind} hybrid (Mamba2 + attention, float32) offline ...")

@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from pd_connector.core.params import PrefillRef
-from pd_connector.engine.vllm_bases import KVConnectorMetadata
+from pd_connector.core.params import LeaseRef
+from pd_connector.engine.from_vllm.bases import KVConnectorMetadata
 
 
 # slots: one of these per handoff, built inside vLLM's scheduling step (D's RecvTask: a Struct).
@@ -18,8 +18,8 @@ class SendLease:
     deadline: float
     offset: int
     block_ids: list[list[int]]
-    # The prompt fingerprint D's claim must match (core/prompt_digest.py).
-    digest: str = ""
+    # The prompt fingerprint D's claim must match (core/fingerprint.py).
+    fingerprint: str = ""
     # Decode requests that will read it (the router's pd_decode_requests: the client's n).
     requests: int = 1
 
@@ -33,7 +33,7 @@ class RecvTask(msgspec.Struct):
     Never encoded by msgspec (vLLM pickles the metadata), so fields are not validated: the
     scheduler fills them from already decoded ``HandoffParams``."""
 
-    prefill: PrefillRef
+    lease: LeaseRef
     # Per group, (P block, D block) pairs: lists of tuples or pairing.BlockPairs (the
     # scheduler's; same sequence behaviour, no tuple per block).
     pairs: list[Sequence[tuple[int, int]]] | None
@@ -44,7 +44,7 @@ class RecvTask(msgspec.Struct):
     # Test-only: engine/faults.py CORRUPT_STATE (False unless fault injection is on).
     corrupt_state: bool = False
     # The prompt fingerprint D verified against its own prompt; the claim carries it.
-    prompt_digest: str = ""
+    fingerprint: str = ""
 
 
 class ReleaseTask(msgspec.Struct, frozen=True):
@@ -53,7 +53,7 @@ class ReleaseTask(msgspec.Struct, frozen=True):
     request's reader, so its siblings of an n > 1 request keep the lease); "" releases the
     handoff whole."""
 
-    prefill: PrefillRef
+    lease: LeaseRef
     reason: str
     request_id: str = ""
 
@@ -68,7 +68,7 @@ class ExtendTask(msgspec.Struct, frozen=True):
     request_ids: list[str]
 
 
-def extend_tasks(refs: Iterable[PrefillRef]) -> list[ExtendTask]:
+def extend_tasks(refs: Iterable[LeaseRef]) -> list[ExtendTask]:
     """One ExtendTask per P engine (side-channel address and TP size)."""
     by_peer: dict[tuple[str, int, int], dict[str, None]] = {}
     for ref in refs:  # n > 1 siblings on D read one P request: name it once

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from pd_connector.engine.vllm_bases import KVConnectorPromMetrics, KVConnectorStats
+from pd_connector.engine.from_vllm.bases import KVConnectorPromMetrics, KVConnectorStats
 
 HISTOGRAMS = {
     # name: (documentation, buckets)

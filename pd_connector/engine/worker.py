@@ -1,4 +1,4 @@
-"""Worker-side half of PDConnector (one per vLLM worker process, i.e. per TP rank): dispatch.
+"""The worker side of PDConnector (one per vLLM worker process, i.e. per TP rank): dispatch.
 
 Registers this rank's KV pages with NIXL, then hands each engine step's metadata to P's
 ``Sender`` (leases, side-channel answers) and D's ``Receiver`` (handshake, claim, READ), and
@@ -22,21 +22,23 @@ from pd_connector.core.config import ConnectorSettings, UnsupportedConfig
 from pd_connector.core.idle_wait import idle_wait_seconds, should_wait_for_news
 from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
-from pd_connector.engine.compat import dp_placement, engine_compat, regions_from_kv_caches, tp_rank_and_size
-from pd_connector.engine.digest import PageDigester
-from pd_connector.engine.faults import Faults, state_corrupter
+from pd_connector.engine.from_vllm.config import dp_placement, tp_rank_and_size
+from pd_connector.engine.from_vllm.engine_compat import engine_compat
+from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
+from pd_connector.engine.state_digest import StateDigester
+from pd_connector.engine import faults
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import PDStats, Recorder
-from pd_connector.engine.receiver import Receiver
-from pd_connector.engine.sender import Sender
-from pd_connector.engine.shard_layout import describe_shards
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.from_vllm.shard_layout import describe_shards
 from pd_connector.transport.nixl import NixlTransport
 from pd_connector.transport.side_channel import SideChannelError
 
 logger = logging.getLogger("vllm.pd_connector")
 
 
-class WorkerHalf:
+class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
         self.vllm_config = vllm_config
@@ -78,11 +80,11 @@ class WorkerHalf:
         digest = corrupt = None
         # Page views only where something reads them: the digest, or the test-only corrupter
         # (with the digest off too: the negative controls corrupt what D keeps and serves).
-        if self.mamba_groups and (self.settings.verify_state_digest or Faults().enabled):
-            digester = PageDigester(kv_caches, regions)
+        if self.mamba_groups and (self.settings.verify_state_digest or faults.enabled()):
+            digester = StateDigester(kv_caches, regions)
             if self.settings.verify_state_digest:
                 digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
-            corrupt = state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
+            corrupt = faults.state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
         logger.info(
             "pd_connector worker: DP rank %d, TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",
             self.dp_index,
@@ -168,7 +170,7 @@ class WorkerHalf:
             finished_recving, failed = self.receiver.take_results()
         finished_sending: set[str] = set()
         if self.sender is not None and self.transport is not None:
-            finished_sending = self.sender.collect(self.transport.take_notifications())
+            finished_sending = self.sender.blocks_to_free(self.transport.take_notifications())
         return KVConnectorTransferResults(
             finished_sending=finished_sending,
             finished_recving=finished_recving | failed,

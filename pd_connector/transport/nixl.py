@@ -1,6 +1,7 @@
 """Thin NIXL wrapper: register memory, prepare descriptor lists once per peer, READ, poll.
 
-All descriptor arithmetic lives in ``layout.py``; this module only talks to NIXL. One agent per
+All descriptor arithmetic and READ planning live in ``core/layout.py`` and ``core/read_plan.py``
+(a ``Planner`` per peer); this module only talks to NIXL. One agent per
 worker process. NIXL is not guaranteed thread-safe, so callers serialise access (the worker owns
 the agent; the side-channel thread never touches it).
 """
@@ -84,16 +85,13 @@ def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
 
 
 class _Peer:
-    __slots__ = ("agent_name", "dlist", "rows", "local_rows", "local_dlist", "shard")
+    __slots__ = ("agent_name", "dlist", "local_dlist", "planner")
 
-    def __init__(self, agent_name, dlist, rows: layout.DescriptorRows, local_rows, local_dlist, shard: bool):
+    def __init__(self, agent_name, dlist, local_dlist, planner: read_plan.Planner):
         self.agent_name = agent_name
         self.dlist = dlist
-        self.rows = rows
-        self.local_rows = local_rows
         self.local_dlist = local_dlist
-        # A TP shard plan: this peer may hold nothing of some groups (others send those).
-        self.shard = shard
+        self.planner = planner
 
 
 class NixlTransport:
@@ -207,7 +205,10 @@ class NixlTransport:
         rows = layout.descriptor_rows(regions, packed)
         strided = rows.strided(device_id)
         dlist = _timed("prep_xfer_dlist", self._agent.prep_xfer_dlist, agent_name, strided, self.mem_type)
-        self._peers[key] = _Peer(agent_name, dlist, rows, local_rows, local_dlist, shard=local_regions_given)
+        planner = read_plan.Planner(
+            local_rows, rows, shard=local_regions_given, threads=self._threads, copies_in_post=self.copies_in_post
+        )
+        self._peers[key] = _Peer(agent_name, dlist, local_dlist, planner)
 
     def connect(self, key: str) -> None:
         """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
@@ -233,52 +234,9 @@ class NixlTransport:
 
     # -- transfers ------------------------------------------------------------------------
 
-    def plan(
-        self, key: str, pairs: Sequence[Sequence[tuple[int, int]]]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Descriptor indices (local, remote) for per-group (remote block, local block) pairs;
-        with several worker threads, long runs cut so that each thread gets a share
-        (``read_plan.cut_long_runs``)."""
-        peer = self._peers[key]
-        if peer.shard:
-            pairs = [g if i in peer.local_rows.rows_of_group else () for i, g in enumerate(pairs)]
-        local_idx, remote_idx = layout.plan_indices(pairs, peer.local_rows, peer.rows)
-        return read_plan.cut_long_runs(
-            local_idx, remote_idx, peer.local_rows, peer.rows, self._threads, read_plan.RUN_PIECES_PER_THREAD,
-            read_plan.MIN_RUN_PIECE_BYTES,
-        )
-
-    def read_slices(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, chunk_bytes: int):
-        """``ChunkedRead`` bounds for a planned READ: where the post copies (DRAM without worker
-        threads), slices of at most ``chunk_bytes``; through worker threads one slice, or two
-        when NIXL would otherwise queue a chunk behind a thread's copy (``read_plan.thread_slices``)."""
-        peer = self._peers[key]
-        if self.copies_in_post:
-            return read_plan.chunk_bounds(peer.local_rows.nbytes_of(local_idx), chunk_bytes)
-        return read_plan.thread_slices(local_idx, remote_idx, peer.local_rows, peer.rows, self._threads)
-
-    def read_plan(self, key: str, pairs: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> read_plan.ReadPlan:
-        """Everything about one READ from ``key`` for per-group (remote, local) block pairs,
-        computed once: indices, slices, runs, bytes."""
-        local_idx, remote_idx = self.plan(key, pairs)
-        peer = self._peers[key]
-        return read_plan.ReadPlan(
-            local_idx,
-            remote_idx,
-            self.read_slices(key, local_idx, remote_idx, chunk_bytes) if local_idx.size else [],
-            layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows),
-            int(peer.local_rows.nbytes_of(local_idx).sum()),
-        )
-
-    def count_runs(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
-        """Descriptors NIXL moves for these indices after its merge (contiguous runs)."""
-        peer = self._peers[key]
-        return layout.count_runs(local_idx, remote_idx, peer.local_rows, peer.rows)
-
-    def merged_ranges(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray):
-        """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
-        peer = self._peers[key]
-        return layout.merged_ranges(local_idx, remote_idx, peer.local_rows, peer.rows)
+    def planner(self, key: str) -> read_plan.Planner:
+        """The READ planner of peer ``key`` (core/read_plan.py), built with its lists."""
+        return self._peers[key].planner
 
     def read(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes):
         """Post one READ (remote -> local) with a completion notification to the remote
@@ -289,7 +247,7 @@ class NixlTransport:
         )
         state = self._agent.transfer(handle)
         if state == FAILED:
-            self.release(handle)
+            self.discard(handle)
             raise RuntimeError("NIXL refused to post the READ")
         return handle
 
@@ -305,7 +263,7 @@ class NixlTransport:
             logger.warning("pd_connector: NIXL transfer state check failed: %s", exc)
             return FAILED
 
-    def release(self, handle) -> None:
+    def discard(self, handle) -> None:
         try:
             _timed("release_xfer_handle", self._agent.release_xfer_handle, handle)
         except Exception as exc:  # pragma: no cover
@@ -368,7 +326,7 @@ class ChunkedRead:
             state = self.transport.state(self.handle)
             if state not in (DONE, FAILED):
                 return PENDING
-            self.transport.release(self.handle)
+            self.transport.discard(self.handle)
             self.handle = None
             if state == FAILED:
                 self.error, self.error_kind = "NIXL reported the READ failed", "nixl"
@@ -391,5 +349,5 @@ class ChunkedRead:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.transport.release(self.handle)
+            self.transport.discard(self.handle)
             self.handle = None

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_connector.core.prompt_digest import prompt_digest
-from pd_connector.dev.testing.cpu_matrix import random_prompt
-from pd_connector.dev.testing.oracle import compare, parse_completion
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.core.fingerprint import fingerprint
+from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.oracle import compare, parse_completion
+from pd_connector.dev.rig.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def test_a_fingerprint_rewritten_for_another_prompt_is_refused_by_p(stack):
     n = 80
     a, b = random_prompt(n, seed=21), random_prompt(n, seed=22)
     params = stack.prefill_only(b)
-    params["pd_prompt_digest"] = prompt_digest(a, params["replay_offset"])
+    params["pd_prompt_fingerprint"] = fingerprint(a, params["replay_offset"])
     refused = event(stack.prefill, "claim_refused:prompt_mismatch")
     got = stack.decode_with(a, params, MAX_TOKENS)
     assert check(stack.reference(a, MAX_TOKENS), got).ok

@@ -28,11 +28,11 @@ import pytest
 
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from pd_connector.dev.testing.cpu_matrix import random_prompt
-from pd_connector.dev.testing.oracle import complete
-from pd_connector.dev.testing.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
-from pd_connector.dev.testing.spec_matrix import check_bf16 as check
-from pd_connector.dev.testing.tiny_models import build_model
+from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.oracle import complete
+from pd_connector.dev.rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
+from pd_connector.dev.rig.spec_matrix import check_bf16 as check
+from pd_connector.dev.rig.tiny_models import build_model
 from pd_connector.engine import faults
 
 pytestmark = pytest.mark.e2e

@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from pd_connector.dev.testing.cpu_matrix import random_prompt
-from pd_connector.dev.testing.oracle import complete, compare
-from pd_connector.dev.testing.ports import free_port
+from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.oracle import complete, compare
+from pd_connector.dev.rig.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_connector.core.prompt_digest import prompt_digest
+from pd_connector.core.fingerprint import fingerprint
 from pd_connector.core.protocol import PROTOCOL_VERSION
-from pd_connector.dev.testing.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
+from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, HYBRIDS, boundary_lengths, random_prompt
 from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
-from pd_connector.dev.testing.oracle import compare
+from pd_connector.dev.rig.oracle import compare
 
 pytestmark = pytest.mark.e2e
 
@@ -141,7 +141,7 @@ def test_params_of_another_prompt_are_refused_as_prompt_mismatch(stack):
 
 
 def _dead_port():
-    from pd_connector.dev.testing.ports import free_port
+    from pd_connector.dev.rig.ports import free_port
 
     return free_port()
 
@@ -162,7 +162,7 @@ TAMPERED = {
             **p,
             "replay_offset": p["replay_offset"] - 1,
             "remote_num_tokens": p["replay_offset"] - 1,
-            "pd_prompt_digest": prompt_digest(random_prompt(n, seed=6), p["replay_offset"] - 1),
+            "pd_prompt_fingerprint": fingerprint(random_prompt(n, seed=6), p["replay_offset"] - 1),
         },
         "P refused the claim",
     ),
@@ -172,7 +172,7 @@ TAMPERED = {
     ),
     "unknown_request_id": (lambda p, n: {**p, "remote_request_id": "not-a-request"}, "P refused the claim"),
     "unknown_engine_id": (lambda p, n: {**p, "remote_engine_id": "not-an-engine"}, "handshake failed"),
-    "prompt_digest_edited": (lambda p, n: {**p, "pd_prompt_digest": "2:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
+    "prompt_fingerprint_edited": (lambda p, n: {**p, "pd_prompt_fingerprint": "2:" + "0" * 32}, "refusing the handoff (prompt_mismatch)"),
     # Connected already (earlier requests), so the claim is what times out. Counted on the
     # failed-load line alone: a lease extension to the dead port logs "no answer" too.
     "unreachable_side_channel": (lambda p, n: {**p, "remote_port": _dead_port()}, "failed (no answer from 127.0.0.1"),

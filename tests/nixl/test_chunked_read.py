@@ -16,7 +16,7 @@ import pytest
 from pd_connector.transport import side_channel
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.engine.metadata import ExtendTask, RecvTask
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import (
     Ack,
     Claim,
@@ -30,9 +30,9 @@ from pd_connector.core.protocol import (
     Welcome,
     encode_read_done,
 )
-from pd_connector.engine.receiver import Receiver
+from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.transport.nixl import DONE, FAILED, PENDING, ChunkedRead
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 from test_transport import (
     ATTN,
@@ -115,7 +115,7 @@ def read_merged_count(d, li, ri, notif: bytes) -> int:
         assert state == DONE
         return d.transport.merged_descriptors(handle)
     finally:
-        d.transport.release(handle)
+        d.transport.discard(handle)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -123,8 +123,8 @@ def read_merged_count(d, li, ri, notif: bytes) -> int:
 def test_reported_descriptor_count_is_nixls_merged_count(engines, kind, case):
     p, d = engines(kind)
     pairs = CASES[case]
-    li, ri = d.transport.plan("p", pairs)
-    assert read_merged_count(d, li, ri, b"n") == d.transport.count_runs("p", li, ri)
+    li, ri = d.transport.planner("p").indices(pairs)
+    assert read_merged_count(d, li, ri, b"n") == d.transport.planner("p").count_runs(li, ri)
     want, _ = expected_after(d, p, pairs)
     assert_bytes(d, want)
     assert collect_notifications(p.transport, 1) == {b"n": 1}
@@ -135,15 +135,15 @@ def test_block_outer_packed_contiguous_attention_is_one_descriptor_per_block_not
     consecutive blocks do not merge): 5 blocks -> 5 descriptors, not 10."""
     p, d = engines("block_major_padded")
     pairs = [CASES["contiguous"][0], []]
-    li, ri = d.transport.plan("p", pairs)
-    assert li.size == 5 and d.transport.count_runs("p", li, ri) == 5
+    li, ri = d.transport.planner("p").indices(pairs)
+    assert li.size == 5 and d.transport.planner("p").count_runs(li, ri) == 5
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 4096 * 3, 1 << 30])
 def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice(engines, chunk_bytes):
     p, d = engines("layer_major_dense")
     pairs = CASES["scattered"]
-    plan = d.transport.read_plan("p", pairs, chunk_bytes)
+    plan = d.transport.planner("p").plan(pairs, chunk_bytes)
     bounds = plan.bounds
     xfer = ChunkedRead(d.transport, "p", plan, b"req")
     notified_early = False
@@ -163,7 +163,7 @@ def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice
 
 def test_a_slice_nixl_refuses_fails_the_read_without_notifying(engines):
     p, d = engines("layer_major_dense")
-    plan = d.transport.read_plan("p", CASES["scattered"], 0)
+    plan = d.transport.planner("p").plan(CASES["scattered"], 0)
     bounds = [(0, 2), (2, 2), (2, plan.local_idx.size)]  # an empty slice: NIXL refuses zero descriptors
     xfer = ChunkedRead(d.transport, "p", dataclasses.replace(plan, bounds=bounds), b"never")
     deadline = time.monotonic() + TIMEOUT_S
@@ -228,7 +228,7 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
             "r2": [[(10, 20), (11, 21)], [(12, 22)]],
         }
         for rid, pairs in reqs.items():
-            receiver.add(rid, RecvTask(PrefillRef("p", "127.0.0.1", free_port, f"P-{rid}"), pairs, 16, 15, [[1]]))
+            receiver.add(rid, RecvTask(LeaseRef("p", "127.0.0.1", free_port, f"P-{rid}"), pairs, 16, 15, [[1]]))
         finished: set[str] = set()
         deadline = time.monotonic() + TIMEOUT_S
         while len(finished) < 2:
@@ -268,7 +268,7 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
 
 
 def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
-    """An idle engine step waits on the wake event (WorkerHalf._wait_if_idle): the handshake
+    """An idle engine step waits on the wake event (WorkerSide._wait_if_idle): the handshake
     reply and the claim grant must each set it, so the step resumes at once, not at its timeout."""
     import threading
 
@@ -281,7 +281,7 @@ def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
     wake = threading.Event()
     receiver = Receiver(d.transport, ConnectorSettings(), "d", COMPAT, None, wake=wake)
     try:
-        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], []], 16, 15, [[1]]))
+        receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], []], 16, 15, [[1]]))
         assert wake.wait(TIMEOUT_S), "the handshake reply did not wake the step"
         wake.clear()
         receiver.advance()  # connects and sends the claim
@@ -309,7 +309,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
     "Slow READs"). Neither can be cancelled safely, so D reports them, once each, and keeps
     polling: here the post is slowed and NIXL's state held at PENDING past read_warn_seconds,
     then released; the request must finish with the right bytes."""
-    import pd_connector.engine.receiver as receiver_mod
+    import pd_connector.engine.decode.receiver as receiver_mod
 
     p, d = engines("layer_major_dense")
     d.transport.remove_peer("p")
@@ -333,7 +333,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
     pairs = [[(1, 3), (7, 9)], [(3, 11)]]
     try:
         with caplog.at_level("WARNING", logger="vllm.pd_connector"):
-            load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), pairs, 16, 15, [[1]]), pause_s=0.005)
+            load_one(receiver, RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), pairs, 16, 15, [[1]]), pause_s=0.005)
         want, _ = expected_after(d, p, pairs)
         assert_bytes(d, want)
         totals = receiver.recorder.totals
@@ -387,7 +387,7 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
         return PENDING if held[-1] < held[0] + 0.6 else real_state(handle)
 
     monkeypatch.setattr(d.transport, "state", state)
-    task = RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], [(3, 11)]], 16, 15, [[1]])
+    task = RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), [[(1, 3)], [(3, 11)]], 16, 15, [[1]])
     try:
         receiver.add("r1", task)
         deadline = time.monotonic() + TIMEOUT_S

@@ -1,5 +1,5 @@
 """P answers a claim that overtook its lease the moment the lease lands (Claim.wait_ms), over a
-real side channel, with P's own claim handler (engine/sender.py); no NIXL transfer needed."""
+real side channel, with P's own claim handler (engine/prefill/sender.py); no NIXL transfer needed."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from pd_connector.core.protocol import (
     Welcome,
     encode_read_done,
 )
-from pd_connector.engine import sender as sender_mod
+from pd_connector.engine.prefill import sender as sender_mod
 from pd_connector.engine.metadata import SendLease
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.prefill.sender import Sender
 from pd_connector.transport import side_channel
 
 HOST = "127.0.0.1"
@@ -102,14 +102,14 @@ def test_claim_beyond_max_parked_is_pending_at_once_and_records_no_hold(served, 
 
 
 def test_claim_whose_prompt_fingerprint_was_rewritten_is_refused_by_p(served, free_port):
-    """A router that rewrote pd_prompt_digest in D's params to match D's prompt passes D's own
+    """A router that rewrote pd_prompt_fingerprint in D's params to match D's prompt passes D's own
     check; P compares the claimed fingerprint with the one it computed."""
-    served.grant({"r5": SendLease(time.monotonic() + 30, 31, BLOCKS, digest="1:aa")})
+    served.grant({"r5": SendLease(time.monotonic() + 30, 31, BLOCKS, fingerprint="1:aa")})
     base = Claim(engine_id="d", request_id="r5", replay_offset=31, block_ids=BLOCKS, reader="d#0/x")
-    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_digest="1:bb"), 5)
+    reply = side_channel.call(HOST, free_port, msgspec.structs.replace(base, fingerprint="1:bb"), 5)
     assert isinstance(reply, Reject) and "prompt fingerprint 1:bb" in reply.reason
     assert served.recorder.interval.data["events"]["claim_refused:prompt_mismatch"] == 1
-    assert isinstance(side_channel.call(HOST, free_port, msgspec.structs.replace(base, prompt_digest="1:aa"), 5), Granted)
+    assert isinstance(side_channel.call(HOST, free_port, msgspec.structs.replace(base, fingerprint="1:aa"), 5), Granted)
 
 
 def test_n_readers_of_one_handoff_keep_the_blocks_until_the_last_is_done(served, free_port):
@@ -119,9 +119,9 @@ def test_n_readers_of_one_handoff_keep_the_blocks_until_the_last_is_done(served,
     for reader in ("d#0/0_c", "d#0/1_c"):
         c = Claim(engine_id="d", request_id="r6", replay_offset=31, block_ids=BLOCKS, reader=reader)
         assert isinstance(side_channel.call(HOST, free_port, c, 5), Granted)
-    assert served.collect([encode_read_done(ReadDone("r6", "d#0/0_c"))]) == set()
+    assert served.blocks_to_free([encode_read_done(ReadDone("r6", "d#0/0_c"))]) == set()
     assert served.held() == 1
-    assert served.collect([encode_read_done(ReadDone("r6", "d#0/1_c"))]) == {"r6"}
+    assert served.blocks_to_free([encode_read_done(ReadDone("r6", "d#0/1_c"))]) == {"r6"}
     late = Claim(engine_id="d", request_id="r6", replay_offset=31, block_ids=BLOCKS, reader="d#0/2_c")
     started = time.monotonic()
     reply = side_channel.call(HOST, free_port, msgspec.structs.replace(late, wait_ms=1000), 5)
@@ -135,4 +135,4 @@ def test_release_reason_reaches_p_log(served, free_port, caplog):
     release = Release(request_ids=["r7"], reason="refused (prompt_mismatch): another prompt", reader="d#0/x")
     assert isinstance(side_channel.call(HOST, free_port, release, 5), Ack)
     assert "decode d#0/x released r7: refused (prompt_mismatch): another prompt" in caplog.text
-    assert served.collect([]) == {"r7"}
+    assert served.blocks_to_free([]) == {"r7"}

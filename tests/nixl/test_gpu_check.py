@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 pytestmark = pytest.mark.nixl
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metadata import RecvTask
-from pd_connector.engine.receiver import Receiver
+from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.transport import side_channel
 
 from test_chunked_read import COMPAT, granting_side_channel, load_one
@@ -53,7 +53,7 @@ def test_p_restarted_ten_times_with_fresh_engine_ids_leaves_d_holding_no_old_eng
             try:
                 d.mem[:] = 0
                 want, _ = expected_after(d, p, PAIRS)
-                prefill = PrefillRef(f"p-start-{i}", "127.0.0.1", port, "P-r1")
+                prefill = LeaseRef(f"p-start-{i}", "127.0.0.1", port, "P-r1")
                 load_one(receiver, RecvTask(prefill, PAIRS, 16, 15, [[1]]))
                 assert_bytes(d, want)
                 assert agent.check_remote_metadata(p.transport.name)
@@ -84,7 +84,7 @@ def test_an_engine_a_load_still_uses_is_never_forgotten(free_port):
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     server = serve_as(p, "p-busy", free_port)
     try:
-        load_one(receiver, RecvTask(PrefillRef("p-busy", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[1]]))
+        load_one(receiver, RecvTask(LeaseRef("p-busy", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[1]]))
         engines = receiver._peers
         engine = engines.engines["p-busy"]
         assert receiver.recorder.gauges["prefill_engines_connected", 0] == 1
@@ -103,7 +103,7 @@ def test_an_engine_a_load_still_uses_is_never_forgotten(free_port):
         # A P that is forgotten and comes back is connected again.
         d.mem[:] = 0
         want, _ = expected_after(d, p, PAIRS)
-        load_one(receiver, RecvTask(PrefillRef("p-busy", "127.0.0.1", free_port, "P-r2"), PAIRS, 16, 15, [[1]]))
+        load_one(receiver, RecvTask(LeaseRef("p-busy", "127.0.0.1", free_port, "P-r2"), PAIRS, 16, 15, [[1]]))
         assert "p-busy" in engines.engines
         assert_bytes(d, want)
     finally:

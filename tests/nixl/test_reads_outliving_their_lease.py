@@ -19,13 +19,13 @@ import pytest
 
 from pd_connector.core import read_hold
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from pd_connector.engine.metadata import ExtendTask, RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.engine.prefill.sender import Sender
 from pd_connector.transport.nixl import PENDING
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 from test_chunked_read import COMPAT, load_one
 from test_transport import MAMBA_LAYERS, ATTN_LAYERS, TIMEOUT_S, expected_after, make_engine
@@ -68,10 +68,10 @@ def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bo
         # A first handoff connects D to P, so the short lease below times the READ, not a
         # handshake on a loaded box.
         sender.grant({"P-r0": SendLease(time.monotonic() + TIMEOUT_S, 15, blocks)})
-        load_one(receiver, RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r0"), PAIRS, 16, 15, blocks))
+        load_one(receiver, RecvTask(LeaseRef("p", "127.0.0.1", port, "P-r0"), PAIRS, 16, 15, blocks))
         d.mem[:] = 0
         sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, blocks)})
-        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks))
+        receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks))
         deadline = time.monotonic() + TIMEOUT_S
         while not receiver._reads:  # connect, claim, first slice
             receiver.advance()
@@ -82,7 +82,7 @@ def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bo
         if way == "d_paused":
             # D's engine thread stops: no slice posted, no extension sent, while P frees.
             while "P-r1" not in freed:
-                freed |= sender.collect(p.transport.take_notifications())
+                freed |= sender.blocks_to_free(p.transport.take_notifications())
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         else:
@@ -94,7 +94,7 @@ def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bo
             while "P-r1" not in freed:
                 receiver.advance()
                 receiver.extend(ExtendTask("127.0.0.1", port, 1, ["P-r1"]))
-                freed |= sender.collect(p.transport.take_notifications())
+                freed |= sender.blocks_to_free(p.transport.take_notifications())
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             d.transport.state = real_state
@@ -160,7 +160,7 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
 
     try:
         sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, [[s for s, _ in g] for g in PAIRS])})
-        receiver.add("r1", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
+        receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
         d.transport.state = slow_state
         deadline = time.monotonic() + TIMEOUT_S
         freed: set[str] = set()
@@ -173,7 +173,7 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
                 last_extend = time.monotonic()
             finished, failed = receiver.take_results()
             assert not failed, receiver.failed
-            freed |= sender.collect(p.transport.take_notifications())
+            freed |= sender.blocks_to_free(p.transport.take_notifications())
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert np.array_equal(d.mem, want)

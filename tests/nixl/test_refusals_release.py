@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import EngineCompat, Welcome
 from pd_connector.engine.metadata import RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.engine.prefill.sender import Sender
 
 HOST = "127.0.0.1"
 COMPAT = EngineCompat("m", "float32", "auto", [], "", 1, "cpu")
@@ -47,13 +47,13 @@ def load_until_failed(r: Receiver, rid: str, task: RecvTask, timeout: float = 10
 
 
 def task(port: int, engine: str, request_id: str) -> RecvTask:
-    return RecvTask(PrefillRef(engine, HOST, port, request_id), [[(1, 1)]], 16, 15, [[1]])
+    return RecvTask(LeaseRef(engine, HOST, port, request_id), [[(1, 1)]], 16, 15, [[1]])
 
 
 def wait_freed(p: Sender, rid: str, timeout: float = 5) -> set[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        freed = p.collect([])
+        freed = p.blocks_to_free([])
         if freed:
             return freed
         time.sleep(0.02)
@@ -87,6 +87,6 @@ def test_an_unanswered_handshake_is_not_released_and_p_frees_at_the_claim_deadli
         load_until_failed(r, "d2", task(new_free_port(), "p", "r2"))
     finally:
         r.close()
-    assert p.collect([]) == set() and p.held() == 1
+    assert p.blocks_to_free([]) == set() and p.held() == 1
     assert wait_freed(p, "r2", timeout=10) == {"r2"}
     assert p.recorder.interval.data["events"]["lease_expired"] == 1

@@ -1,4 +1,4 @@
-"""The optional recurrent-state digest (``engine/digest.py``, ``verify_state_digest``) over real
+"""The optional recurrent-state digest (``engine/state_digest.py``, ``verify_state_digest``) over real
 NIXL READs, with its buffers on the test device (``PD_TEST_DEVICE``; CUDA tensors on a GPU):
 P's SHA-256 of the state pages it sends equals D's of the pages it received (between engines
 of different speculative widths too: only the conv state has speculative rows); D's page views
@@ -15,14 +15,14 @@ import time
 import pytest
 
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 from pd_connector.engine import faults
-from pd_connector.engine.digest import PageDigester
+from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.engine.prefill.sender import Sender
 
 from test_chunked_read import COMPAT
 from test_state_repairing import LAYERS as GDN_LAYERS, _engine as gdn_engine
@@ -35,12 +35,12 @@ pytestmark = pytest.mark.nixl
 PAIRS = [[(1, 3), (7, 9)], [(3, 11), (5, 2)]]  # (P block, D block) per group
 
 
-def digester(engine) -> PageDigester:
+def digester(engine) -> StateDigester:
     """Page views of ``engine``'s registered allocation, as the worker builds them from vLLM's
     per-layer views (``make_engine``'s kv_caches)."""
     pl = engine.placement
     kv_caches = {name: engine.buf[pl.page_offset(name, 0) :] for t in pl.tensors for name in t.layers}
-    return PageDigester(kv_caches, engine.regions)
+    return StateDigester(kv_caches, engine.regions)
 
 
 def blocks(pairs, side: int) -> list[list[int]]:
@@ -79,10 +79,10 @@ def test_d_digest_of_the_state_it_read_is_p_digest_and_a_flipped_page_changes_it
     assert d_dig.digest(blocks(PAIRS, 1), [MAMBA]) != sent
 
 
-def gdn_digester(engine) -> PageDigester:
+def gdn_digester(engine) -> StateDigester:
     """Page views of test_state_repairing's engine: one layer after the other in its buffer."""
     layer_bytes = engine.buf.numel() // len(GDN_LAYERS)
-    return PageDigester({n: engine.buf[i * layer_bytes :] for i, n in enumerate(GDN_LAYERS)}, engine.regions)
+    return StateDigester({n: engine.buf[i * layer_bytes :] for i, n in enumerate(GDN_LAYERS)}, engine.regions)
 
 
 def test_digest_matches_across_speculative_widths_after_the_read():
@@ -96,13 +96,13 @@ def test_digest_matches_across_speculative_widths_after_the_read():
         p_dig, d_dig = gdn_digester(p), gdn_digester(d)
         sent = p_dig.digest([[4]], [0])
         assert d_dig.digest([[1]], [0]) != sent
-        li, ri = d.transport.plan("p", [[(4, 1)]])
+        li, ri = d.transport.planner("p").indices([[(4, 1)]])
         handle = d.transport.read("p", li, ri, b"")
         deadline = time.monotonic() + TIMEOUT_S
         while d.transport.state(handle) != "DONE":
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        d.transport.release(handle)
+        d.transport.discard(handle)
         assert d_dig.digest([[1]], [0]) == sent
     finally:
         d.transport.close()
@@ -121,7 +121,8 @@ def handoff(p, d, port: int, corrupt: bool, monkeypatch) -> tuple[set[str], dict
                         faults.state_corrupter(lambda b: d_dig.pages(b, [MAMBA])))
     try:
         sender.grant({"P-r1": SendLease(time.monotonic() + 30, 15, blocks(PAIRS, 0))})
-        task = RecvTask(PrefillRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks(PAIRS, 0), corrupt_state=corrupt)
+        task = RecvTask(LeaseRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks(PAIRS, 0))
+        task = faults.corrupted(task) if corrupt else task
         receiver.add("r1", task)
         deadline = time.monotonic() + TIMEOUT_S
         finished: set[str] = set()
@@ -130,7 +131,7 @@ def handoff(p, d, port: int, corrupt: bool, monkeypatch) -> tuple[set[str], dict
             receiver.advance()
             failed = dict(receiver.failed)
             finished = receiver.take_results()[0]
-            sender.collect(p.transport.take_notifications())
+            sender.blocks_to_free(p.transport.take_notifications())
             assert time.monotonic() < deadline
             time.sleep(0.002)
         return finished, failed, receiver

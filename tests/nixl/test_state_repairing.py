@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pd_connector.transport.nixl import DONE
-from pd_connector.engine.compat import regions_from_kv_caches
-from pd_connector.dev.testing import devices
+from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
+from pd_connector.dev.rig import devices
 
 CONV_KERNEL, CONV_DIM = 4, 96
 SSM_SHAPE = (2, 16, 8)
@@ -64,14 +64,14 @@ def test_state_of_another_speculative_width_lands_where_d_reads_it(p_spec, d_spe
     try:
         assert [r.name for r in p.regions] == ["gdn.0#0", "gdn.0#1", "gdn.1#0", "gdn.1#1"]
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)
-        local_idx, remote_idx = d.transport.plan("p", [[(4, 1)]])  # P's slot 4 -> D's slot 1
+        local_idx, remote_idx = d.transport.planner("p").indices([[(4, 1)]])  # P's slot 4 -> D's slot 1
         untouched_before = devices.host(d.buf)[: NUM_BLOCKS * PAGE][2 * PAGE :].copy()
         handle = d.transport.read("p", local_idx, remote_idx, b"")
         deadline = time.monotonic() + 10
         while (state := d.transport.state(handle)) != DONE and time.monotonic() < deadline:
             time.sleep(0.01)
         assert state == DONE
-        d.transport.release(handle)
+        d.transport.discard(handle)
         for layer in range(len(LAYERS)):
             p_conv, p_ssm = _states(p, layer, 4)
             d_conv, d_ssm = _states(d, layer, 1)

@@ -20,13 +20,13 @@ import pytest
 
 from pd_connector.core import ranks, shards
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
-from pd_connector.dev.testing.ports import free_ports
+from pd_connector.dev.rig.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
-from pd_connector.engine.receiver import Receiver
-from pd_connector.dev.testing.tp_layouts import Model, compat
-from pd_connector.engine.sender import Sender
+from pd_connector.engine.decode.receiver import Receiver
+from pd_connector.dev.rig.tp_layouts import Model, compat
+from pd_connector.engine.prefill.sender import Sender
 
 pytestmark = pytest.mark.nixl
 
@@ -70,7 +70,7 @@ def run_handoff(
             tamper(receivers)
         for rid, req in requests.items():
             task = RecvTask(
-                PrefillRef(engine, "127.0.0.1", ranks.engine_base_port(port, dp_index, p), rid, p),
+                LeaseRef(engine, "127.0.0.1", ranks.engine_base_port(port, dp_index, p), rid, p),
                 [req.get(0, []), req.get(1, [])],
                 16,
                 15,
@@ -89,7 +89,7 @@ def run_handoff(
                 assert not failed, f"D rank {j} failed: {receiver.failed or failed}"
                 finished[j] |= done
             for r, sender in enumerate(senders):
-                freed[r] |= sender.collect(p_ranks[r].transport.take_notifications())
+                freed[r] |= sender.blocks_to_free(p_ranks[r].transport.take_notifications())
             time.sleep(0.002)
         for j, rank in enumerate(d_ranks):
             want = rank.expected({g: [pr for req in requests.values() for pr in req.get(g, [])] for g in (0, 1)}, before[j])
@@ -135,11 +135,11 @@ def test_every_byte_of_every_d_rank_page_comes_from_the_p_rank_that_holds_it(mod
 def test_padded_page_p_tp1_d_tp2_reads_each_d_rank_its_own_heads_over_nixl(p, d):
     """Regression (issue #25, 1): with a padded attention page (vLLM's page_size_padded) a head
     was taken as page_size_bytes // heads, so D rank 1 silently received half of head 1 and P's
-    padding. The pages here are vLLM's own (spec, placement, views: dev/testing/vllm_pages.py)
+    padding. The pages here are vLLM's own (spec, placement, views: tests/support/vllm_pages.py)
     and the oracle reads them through vLLM's view: each D rank must hold its heads byte for byte
     and its padding untouched."""
     pytest.importorskip("vllm.v1.kv_cache_interface")
-    from pd_connector.dev.testing.vllm_pages import Layers, plain_attention
+    from support.vllm_pages import Layers, plain_attention
 
     model = Layers(4, plain_attention(pad_per_head=32), nixl=True)
     freed = run_handoff(model, p, d, free_ports(p), {"r1": {0: REQUESTS["r1"][0]}, "r2": {0: REQUESTS["r2"][0]}})
@@ -155,7 +155,7 @@ def test_mla_latent_across_tp_is_read_from_one_p_rank_and_every_other_p_rank_rel
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from pd_connector.dev.testing.vllm_pages import Layers
+    from support.vllm_pages import Layers
 
     def mla(tp, heads):  # as MLAAttention.get_kv_cache_spec builds it
         return MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=24, dtype=torch.bfloat16, max_tp_shards=1)
@@ -170,7 +170,7 @@ def test_head_slots_that_are_not_heads_refuse_the_pair_at_the_handshake_naming_l
     pytest.importorskip("vllm.v1.kv_cache_interface")
     import dataclasses
 
-    from pd_connector.dev.testing.vllm_pages import LAYERS, Layers, plain_attention
+    from support.vllm_pages import LAYERS, Layers, plain_attention
 
     plain = plain_attention()
 

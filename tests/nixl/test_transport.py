@@ -1,5 +1,5 @@
 """NixlTransport with two (or three) real NIXL agents in one process, UCX over DRAM
-(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/testing/devices.py``).
+(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/rig/devices.py``).
 
 The KV caches are CPU uint8 tensors placed the way vLLM's hybrid allocator places them
 (``KVCacheTensor``: layer ``layers[l]``'s page for block b at
@@ -27,8 +27,8 @@ from pd_connector.transport import side_channel
 from pd_connector.core.layout import LayoutError
 from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
 from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
-from pd_connector.engine.compat import regions_from_kv_caches
-from pd_connector.dev.testing import devices
+from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
+from pd_connector.dev.rig import devices
 
 pytestmark = pytest.mark.nixl
 
@@ -190,7 +190,7 @@ def wait_done(transport: NixlTransport, handles) -> None:
             for i, h in list(pending.items()):
                 state = transport.state(h)
                 if state == DONE:
-                    transport.release(h)
+                    transport.discard(h)
                     del pending[i]
                 else:
                     assert state == PENDING, f"READ #{i} ended in state {state}"
@@ -198,7 +198,7 @@ def wait_done(transport: NixlTransport, handles) -> None:
             time.sleep(0.0005)
     finally:
         for h in pending.values():
-            transport.release(h)
+            transport.discard(h)
 
 
 def collect_notifications(transport: NixlTransport, expected: int, settle_s: float = 0.05):
@@ -290,7 +290,7 @@ PAIR_CASES = {
 
 
 def read_and_wait(d: Engine, pairs, notif: bytes, peer: str = PEER) -> None:
-    wait_done(d.transport, [d.transport.read(peer, *d.transport.plan(peer, pairs), notif)])
+    wait_done(d.transport, [d.transport.read(peer, *d.transport.planner(peer).indices(pairs), notif)])
 
 
 @pytest.mark.parametrize("case", list(PAIR_CASES))
@@ -302,7 +302,7 @@ def test_read_moves_exactly_the_paired_pages(engines, kind, case):
     want, mask = expected_after(d, p, pairs)
     assert mask.any()
 
-    local_idx, remote_idx = d.transport.plan(PEER, pairs)
+    local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
     # block_major_padded packs the two attention layers of a block into one span.
     attn_rows = 1 if kind == "block_major_padded" else len(ATTN_LAYERS)
     n_desc = len(pairs[ATTN]) * attn_rows + len(pairs[MAMBA]) * len(MAMBA_LAYERS)
@@ -338,7 +338,7 @@ def test_many_concurrent_reads_each_notify_once(engines, kind):
     want, mask = expected_after(d, p, union)  # D blocks are disjoint across READs
     handles = []
     for notif, pairs in reads:  # all posted before any is polled
-        handles.append(d.transport.read(PEER, *d.transport.plan(PEER, pairs), notif))
+        handles.append(d.transport.read(PEER, *d.transport.planner(PEER).indices(pairs), notif))
     wait_done(d.transport, handles)
 
     assert_bytes(d, want)
@@ -356,8 +356,8 @@ def test_reads_from_two_prefill_engines_notify_only_their_source(pool, engines):
         pairs2 = [[(2, 7), (9, 8)], [(5, 10)]]  # same P block ids, other engine, other D blocks
         want1, _ = expected_after(d, p1, pairs1)
         want2, m2 = expected_after(d, p2, pairs2)
-        h1 = d.transport.read(PEER, *d.transport.plan(PEER, pairs1), b"from-p1")
-        h2 = d.transport.read("p2", *d.transport.plan("p2", pairs2), b"from-p2")
+        h1 = d.transport.read(PEER, *d.transport.planner(PEER).indices(pairs1), b"from-p1")
+        h2 = d.transport.read("p2", *d.transport.planner("p2").indices(pairs2), b"from-p2")
         wait_done(d.transport, [h1, h2])
         want1[m2] = want2[m2]
         assert_bytes(d, want1)
@@ -430,10 +430,10 @@ def test_handshake_over_side_channel_then_read(engines, free_port):
 def test_plan_with_no_pairs_returns_empty_arrays(engines):
     _, d = engines("block_major_padded")
     for pairs in ([], [[], []], [[]]):
-        local_idx, remote_idx = d.transport.plan(PEER, pairs)
+        local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
         assert local_idx.size == remote_idx.size == 0
         assert local_idx.dtype == remote_idx.dtype == np.int32
-        assert d.transport.count_runs(PEER, local_idx, remote_idx) == 0
+        assert d.transport.planner(PEER).count_runs(local_idx, remote_idx) == 0
 
 
 def test_nixl_refuses_a_read_with_zero_descriptors(engines):
@@ -458,9 +458,9 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
     }
     runs = {}
     for name, pairs in cases.items():
-        local_idx, remote_idx = d.transport.plan(PEER, pairs)
+        local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
         assert local_idx.size == 5 * layers
-        runs[name] = d.transport.count_runs(PEER, local_idx, remote_idx)
+        runs[name] = d.transport.planner(PEER).count_runs(local_idx, remote_idx)
         devices.zero(d.buf)
         want, _ = expected_after(d, p, pairs)
         read_and_wait(d, pairs, name.encode())
@@ -472,8 +472,8 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
         "two_runs": 2 * layers,
     }
     # A Mamba slot is one page per Mamba layer.
-    local_idx, remote_idx = d.transport.plan(PEER, [[], [(3, 4)]])
-    assert d.transport.count_runs(PEER, local_idx, remote_idx) == len(MAMBA_LAYERS)
+    local_idx, remote_idx = d.transport.planner(PEER).indices([[], [(3, 4)]])
+    assert d.transport.planner(PEER).count_runs(local_idx, remote_idx) == len(MAMBA_LAYERS)
 
 
 @pytest.mark.parametrize(
@@ -491,19 +491,19 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
 def test_plan_refuses_out_of_range_block_ids(engines, pairs, side):
     _, d = engines("block_major_padded")
     with pytest.raises(LayoutError, match=f"{side} block id out of range"):
-        d.transport.plan(PEER, pairs)
+        d.transport.planner(PEER).indices(pairs)
 
 
 def test_plan_refuses_pairs_for_a_group_without_layers(engines):
     _, d = engines("block_major_padded")
     with pytest.raises(LayoutError, match="group 2 has blocks to move but no registered layers"):
-        d.transport.plan(PEER, [[], [], [(1, 1)]])
+        d.transport.planner(PEER).indices([[], [], [(1, 1)]])
 
 
 def test_plan_block_id_beyond_int64_raises_layout_error_not_overflow(engines):
     _, d = engines("block_major_padded")
     with pytest.raises(LayoutError):
-        d.transport.plan(PEER, [[(2**63, 1)], []])
+        d.transport.planner(PEER).indices([[(2**63, 1)], []])
 
 
 # --- peer validation ------------------------------------------------------------------------
@@ -581,13 +581,13 @@ def test_an_agent_with_a_progress_delay_still_completes_reads_only_d_polls():
     try:
         d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
         pairs = [[(1, 3), (7, 9), (4, 5)], [(3, 11)]]
-        li, ri = d.transport.plan("p", pairs)
+        li, ri = d.transport.planner("p").indices(pairs)
         handle = d.transport.read("p", li, ri, b"delayed")
         deadline = time.monotonic() + TIMEOUT_S
         while (state := d.transport.state(handle)) == PENDING:
             assert time.monotonic() < deadline
         assert state == DONE
-        d.transport.release(handle)
+        d.transport.discard(handle)
         want, _ = expected_after(d, p, pairs)
         assert_bytes(d, want)
         assert collect_notifications(p.transport, 1) == {b"delayed": 1}

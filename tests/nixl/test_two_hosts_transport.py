@@ -1,4 +1,4 @@
-"""NIXL between two processes on two namespaced "hosts" (``dev/testing/netns.py``): UCX picks
+"""NIXL between two processes on two namespaced "hosts" (``dev/rig/netns.py``): UCX picks
 tcp by itself, and the transfer benchmark's ``tcp`` section runs and checks its bytes. The
 negative control shows why each host gets a boot id of its own: on the machine's own boot id
 UCX takes the two namespaces for one machine and reads over cma, and the same check fails."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_connector.dev.testing import devices
-from pd_connector.dev.testing.netns import unavailable_reason
+from pd_connector.dev.rig import devices
+from pd_connector.dev.rig.netns import unavailable_reason
 
 pytestmark = [
     pytest.mark.nixl,

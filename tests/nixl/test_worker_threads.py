@@ -16,11 +16,11 @@ import pytest
 
 from pd_connector.core import layout
 from pd_connector.core.config import ConnectorSettings
-from pd_connector.core.params import PrefillRef
+from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metadata import RecvTask
-from pd_connector.engine.receiver import Receiver
+from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
-from pd_connector.dev.testing import devices
+from pd_connector.dev.rig import devices
 
 from test_chunked_read import COMPAT, granting_side_channel, peered_pairs, read_done
 from test_transport import (
@@ -70,7 +70,7 @@ def test_worker_threads_move_exactly_the_paired_pages(threaded, kind, case):
     p_before = p.mem.copy()
     want, mask = expected_after(d, p, pairs)
     notif = f"threads-{kind}-{case}".encode()
-    wait_done(d.transport, [d.transport.read("p", *d.transport.plan("p", pairs), notif)])
+    wait_done(d.transport, [d.transport.read("p", *d.transport.planner("p").indices(pairs), notif)])
     assert_bytes(d, want)
     assert not d.mem[~mask].any(), "a byte outside the paired D pages changed"
     assert np.array_equal(p.mem, p_before), "a READ modified the prefill side"
@@ -88,8 +88,8 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
     d_ids = rng.sample(range(1, BIG_BLOCKS), 1501)
     pairs = [list(zip(p_ids, d_ids[:1500])), [(rng.randrange(1, BIG_BLOCKS), d_ids[1500])]]
     want, _ = expected_after(d, p, pairs)
-    li, ri = d.transport.plan("p", pairs)
-    assert d.transport.count_runs("p", li, ri) > 2 * THREADS
+    li, ri = d.transport.planner("p").indices(pairs)
+    assert d.transport.planner("p").count_runs(li, ri) > 2 * THREADS
     for attempt in range(3):
         devices.zero(d.buf)
         notif = f"big-{attempt}".encode()
@@ -103,7 +103,7 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
             assert_bytes(d, want)  # at the moment P heard
             wait_states(d.transport, handle)
         finally:
-            d.transport.release(handle)
+            d.transport.discard(handle)
 
 
 def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(threaded):
@@ -112,17 +112,17 @@ def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(th
     count the connector reports: the reversed pieces are not merged back."""
     p, d = threaded("layer_major_dense", BIG_BLOCKS)
     pairs = [[(b, b + 7) for b in range(1, 1001)], [(1200, 1300)]]
-    li, ri = d.transport.plan("p", pairs)
-    peer = d.transport._peers["p"]
-    uncut = layout.count_runs(*layout.plan_indices(pairs, peer.local_rows, peer.rows), peer.local_rows, peer.rows)
-    runs = d.transport.count_runs("p", li, ri)
+    li, ri = d.transport.planner("p").indices(pairs)
+    planner = d.transport.planner("p")
+    uncut = planner.count_runs(*layout.plan_indices(pairs, planner.local, planner.remote))
+    runs = d.transport.planner("p").count_runs(li, ri)
     assert uncut == 2 + 2 and runs > 2 * THREADS
     handle = d.transport.read("p", li, ri, b"cut")
     try:
         wait_states(d.transport, handle)
         assert d.transport.merged_descriptors(handle) == runs
     finally:
-        d.transport.release(handle)
+        d.transport.discard(handle)
     want, _ = expected_after(d, p, pairs)
     assert_bytes(d, want)
     assert collect_notifications(p.transport, 1) == {b"cut": 1}
@@ -134,7 +134,7 @@ def test_an_odd_run_count_is_posted_in_two_slices_notifying_once_after_the_last(
     post waits. The third goes in a second slice; P hears once, after it."""
     p, d = threaded("block_major_padded")
     pairs = [[(7, 2), (1, 9), (4, 5)], []]
-    plan = d.transport.read_plan("p", pairs, 1 << 20)
+    plan = d.transport.planner("p").plan(pairs, 1 << 20)
     assert plan.runs == 3
     assert plan.bounds == [(0, 2), (2, 3)]
     xfer = ChunkedRead(d.transport, "p", plan, b"odd")
@@ -160,7 +160,7 @@ def test_worker_threads_many_concurrent_reads_each_notify_once(threaded):
         reads.append((f"t-{k}".encode(), pairs))
     union = [[pr for _, pairs in reads for pr in pairs[g]] for g in (ATTN, MAMBA)]
     want, mask = expected_after(d, p, union)
-    handles = [d.transport.read("p", *d.transport.plan("p", pairs), notif) for notif, pairs in reads]
+    handles = [d.transport.read("p", *d.transport.planner("p").indices(pairs), notif) for notif, pairs in reads]
     wait_done(d.transport, handles)
     assert_bytes(d, want)
     assert not d.mem[~mask].any()
@@ -178,7 +178,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
     try:
         rng = random.Random(5)
         pairs = [list(zip(rng.sample(range(1, BIG_BLOCKS), 600), rng.sample(range(1, BIG_BLOCKS), 600))), []]
-        receiver.add("r", RecvTask(PrefillRef("p", "127.0.0.1", free_port, "P-r"), pairs, 600 * 16, 600 * 16 - 1, [[1]]))
+        receiver.add("r", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r"), pairs, 600 * 16, 600 * 16 - 1, [[1]]))
         slices = set()
         deadline = time.monotonic() + TIMEOUT_S
         while True:
@@ -210,7 +210,7 @@ def test_without_peer_error_handling_threads_move_the_paired_pages_and_notify_on
         p, d = get(kind)
         pairs = [list(PAIR_CASES["scattered"][0]), list(PAIR_CASES["scattered"][1])]
         want, mask = expected_after(d, p, pairs)
-        wait_done(d.transport, [d.transport.read("p", *d.transport.plan("p", pairs), b"no-peer")])
+        wait_done(d.transport, [d.transport.read("p", *d.transport.planner("p").indices(pairs), b"no-peer")])
         assert_bytes(d, want)
         assert not d.mem[~mask].any()
         assert collect_notifications(p.transport, 1) == {b"no-peer": 1}

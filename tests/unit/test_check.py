@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 from aiohttp import web
-from fake_upstreams import async_test, dead_url, serve
 
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from pd_connector.check import run as check
@@ -17,6 +16,7 @@ from pd_connector.check import client as check_client
 
 from pd_connector import cli
 from pd_connector.proxy import server as proxy_mod
+from support.fake_upstreams import async_test, dead_url, serve
 
 
 @pytest.fixture(autouse=True)

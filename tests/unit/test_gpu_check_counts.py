@@ -1,9 +1,16 @@
-"""The GPU check's counting (``pd_connector/dev/gpu_check.py``): a failing, a skipped and an
+"""The GPU check's counting (``scripts/gpu_check.py``): a failing, a skipped and an
 xfailed test are told apart in the junit XML, per part, so a failure on the GPU cannot read as a pass."""
 
 from __future__ import annotations
 
-from pd_connector.dev import gpu_check
+import importlib.util
+from pathlib import Path
+
+# scripts/ is no package: load the check's module from its file (it imports only the stdlib).
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+_SPEC = importlib.util.spec_from_file_location("gpu_check", _SCRIPT)
+gpu_check = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gpu_check)
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
 <testcase classname="tests.nixl.test_transport" name="test_ok" time="0.1" />

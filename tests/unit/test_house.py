@@ -1,9 +1,13 @@
 """The package's house rules (docs/architecture.md, "Packages"), checked on the source itself.
 
-- core is pure: importing all of it loads no vLLM, torch, NIXL, ZMQ or HTTP client;
-- the product never imports pd_connector.dev (tooling: demo, testing, benchmarks);
+- core is pure: importing all of it loads no vLLM, torch, NIXL, ZMQ, sockets or HTTP client;
+- the product never imports pd_connector.dev (tooling: demo, rig, benchmarks);
 - one concern per module: no module over MAX_LINES lines;
-- the subpackages depend one way: core <- transport <- engine; proxy and check on core and urls.
+- the subpackages depend one way: core <- transport <- engine; proxy and check on core and urls;
+- test tooling stays out of the package: nothing in pd_connector or scripts/ imports tests/support,
+  and every module of the package is reached from an entry point that is not a test (so the
+  package holds no test-only harness);
+- unit tests import no vLLM, neither directly nor through a module that loads it on import.
 
 Imports are read with ``ast`` (every ``import`` statement, wherever it sits), so a lazy import
 inside a function counts as much as one at the top. Each rule's checker has a negative control.
@@ -12,6 +16,7 @@ inside a function counts as much as one at the top. Each rule's checker has a ne
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +26,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pd_connector"
+TESTS = ROOT / "tests"
+SUPPORT = TESTS / "support"
+SCRIPTS = ROOT / "scripts"
+# Top-level names test tooling is imported under (tests/conftest.py puts tests/ on sys.path).
+TEST_TOOLING = ("support", "tests")
 MAX_LINES = 400
 # Top-level modules (not subpackages) that subpackages may import.
 SHARED_MODULES = {"urls"}
@@ -32,7 +42,7 @@ ALLOWED = {
     "proxy": {"core"} | SHARED_MODULES,
     "check": {"core"} | SHARED_MODULES,
 }
-FORBIDDEN_IN_CORE = ("vllm", "torch", "nixl", "zmq", "aiohttp", "http.client", "urllib.request")
+FORBIDDEN_IN_CORE = ("vllm", "torch", "nixl", "zmq", "socket", "aiohttp", "http.client", "urllib.request")
 
 
 def module_name(path: Path) -> str:
@@ -102,16 +112,18 @@ def imports_dev(source: str, name: str) -> list[str]:
 
 _LOAD_AND_LIST = """
 import importlib, json, sys
-for name in sys.argv[1:]:
+sys.path[1:1] = json.loads(sys.argv[1])
+for name in sys.argv[2:]:
     importlib.import_module(name)
 print(json.dumps(sorted(sys.modules)))
 """
 
 
-def loaded_by_importing(names: list[str]) -> set[str]:
-    """``sys.modules`` of a fresh interpreter after importing ``names`` (nothing else imported)."""
-    done = subprocess.run([sys.executable, "-c", _LOAD_AND_LIST, *names], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=True)
+def loaded_by_importing(names: list[str], paths: tuple[Path, ...] = ()) -> set[str]:
+    """``sys.modules`` of a fresh interpreter after importing ``names`` (nothing else imported),
+    ``paths`` on its sys.path after the checkout."""
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_LIST, json.dumps([str(p) for p in paths]), *names],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     return set(json.loads(done.stdout))
 
 
@@ -144,10 +156,10 @@ def test_the_product_never_imports_pd_connector_dev():
 
 
 @pytest.mark.parametrize("line", [
-    "import pd_connector.dev.testing.oracle",
+    "import pd_connector.dev.rig.oracle",
     "from pd_connector.dev import demo",
     "from pd_connector.dev.benchmarks.report import write_json",
-    "def lazy():\n    from pd_connector.dev.testing import stack",
+    "def lazy():\n    from pd_connector.dev.rig import stack",
 ])
 def test_dev_import_check_sees_every_form_of_import(line):
     assert imports_dev(line, "pd_connector.engine.worker")
@@ -169,7 +181,7 @@ def test_no_module_is_over_the_line_limit():
 
 # ---- (d) subpackages depend one way -------------------------------------------------------------
 
-# transport/prefill_calls.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
+# transport/sender_client.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
 # ExtendTask) for the P it calls: an engine -> transport -> engine cycle, until those calls take
 # a core type instead. Listed here so that no other crossing hides behind it.
 def sources_of(layer: str) -> dict[str, str]:
@@ -201,7 +213,128 @@ def test_layer_check_allows_the_documented_directions():
     assert layer_violations({
         "pd_connector.core.handoff": "from pd_connector.core.protocol import KEY_VERSION\nimport msgspec",
         "pd_connector.transport.nixl": "from pd_connector.core import layout",
-        "pd_connector.engine.receiver": "from pd_connector.transport.nixl import NixlTransport\nfrom pd_connector.core import leases",
+        "pd_connector.engine.decode.receiver": "from pd_connector.transport.nixl import NixlTransport\nfrom pd_connector.core import leases",
         "pd_connector.proxy.server": "from pd_connector.urls import normalize_url\nfrom pd_connector.core.protocol import KEY_REPLAY_OFFSET",
         "pd_connector.check.client": "from pd_connector.urls import OPENER\nimport pd_connector",
     }) == []
+
+
+# ---- (e) test tooling stays out of the package --------------------------------------------------
+
+
+def imports_test_tooling(source: str, name: str) -> list[str]:
+    return sorted(t for t in imported(source, name) if t.split(".")[0] in TEST_TOOLING)
+
+
+def package_and_script_sources() -> dict[str, str]:
+    sources = {module_name(p): p.read_text() for p in modules()}
+    sources.update({f"scripts.{p.stem}": p.read_text() for p in sorted(SCRIPTS.glob("*.py"))})
+    return sources
+
+
+def test_nothing_in_the_package_or_scripts_imports_test_tooling():
+    sources = package_and_script_sources()
+    assert "pd_connector.dev.rig.stack" in sources and "scripts.gpu_check" in sources
+    offenders = {name: imports_test_tooling(source, name) for name, source in sources.items()}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+@pytest.mark.parametrize("line", [
+    "from support.tp_matrix import running",
+    "import support.router",
+    "import tests.support.vllm_pages",
+    "def lazy():\n    from support import fake_upstreams",
+])
+def test_test_tooling_check_sees_every_form_of_import(line):
+    assert imports_test_tooling(line, "pd_connector.dev.demo")
+
+
+def test_test_tooling_check_ignores_lookalike_names():
+    source = "import supportlib\nfrom pd_connector.dev.rig import stack\nfrom .support import x"
+    assert imports_test_tooling(source, "pd_connector.dev.rig.servers") == []
+
+
+def entry_points() -> list[str]:
+    """What runs the package other than tests: vLLM loads the connector, the ``pd-connector``
+    command (which imports ``pd_connector.dev.benchmarks.<name>`` by name) and scripts/."""
+    from pd_connector.cli import BENCHMARKS
+
+    return ["pd_connector.connector", "pd_connector.cli", *(f"pd_connector.dev.benchmarks.{b}" for b in BENCHMARKS),
+            *(f"scripts.{p.stem}" for p in sorted(SCRIPTS.glob("*.py")))]
+
+
+def unreached(sources: dict[str, str], roots: list[str]) -> list[str]:
+    """Modules of the package (``pd_connector.*`` in ``sources``) that no import chain from
+    ``roots`` reaches; a package counts as reached with any module in it."""
+    seen: set[str] = set()
+    todo = [r for r in roots if r in sources]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in sources]
+        todo += [t for t in imported(sources[name], name) if t in sources]
+    return sorted(m for m in sources if m.startswith("pd_connector") and m not in seen)
+
+
+def test_the_package_holds_no_test_only_module():
+    """Every module is needed by the connector, the command or a script: a harness only tests
+    import belongs in tests/support."""
+    sources = package_and_script_sources()
+    roots = entry_points()
+    assert "pd_connector.dev.benchmarks.scheduler" in roots and "scripts.integration" in roots
+    assert unreached(sources, roots) == []
+
+
+def test_test_only_check_sees_a_harness_only_tests_import():
+    """Negative control: tests/support's TP matrix put back into the package is reached by no
+    entry point; nor is a module once its only importer is gone."""
+    sources = package_and_script_sources()
+    sources["pd_connector.dev.rig.tp_matrix"] = (SUPPORT / "tp_matrix.py").read_text()
+    assert unreached(sources, entry_points()) == ["pd_connector.dev.rig.tp_matrix"]
+    assert "pd_connector.dev.rig.stack" in unreached(sources, ["pd_connector.connector"])
+
+
+# ---- (f) unit tests import no vLLM --------------------------------------------------------------
+
+
+def first_party_modules() -> set[str]:
+    """The package's modules and tests/support's (``support.*``), by import name."""
+    support = {"support" if p.stem == "__init__" else f"support.{p.stem}" for p in SUPPORT.glob("*.py")}
+    return {module_name(p) for p in modules()} | support
+
+
+def vllm_reached(sources: dict[str, str]) -> list[str]:
+    """The vLLM modules test modules (``name -> source``) import: their own ``vllm`` imports
+    (lazy ones included), and what importing every first-party module they name loads (a module
+    that imports vLLM when it is imported, e.g. one whose base classes are vLLM's)."""
+    first_party = first_party_modules()
+    direct, named = set(), set()
+    for name, source in sources.items():
+        targets = imported(source, name)
+        direct |= {t for t in targets if t.split(".")[0] == "vllm"}
+        named |= targets & first_party
+    loaded = loaded_by_importing(sorted(named), (TESTS,))
+    return sorted(direct | {m for m in loaded if m == "vllm" or m.startswith("vllm.")})
+
+
+def test_unit_tests_import_no_vllm():
+    sources = {p.stem: p.read_text() for p in sorted((TESTS / "unit").glob("*.py"))}
+    assert "test_leases" in sources and "test_house" in sources
+    found = vllm_reached(sources)
+    assert found == [], f"move the test to tests/vllm (it imports vLLM: {found[:5]})"
+
+
+def test_vllm_check_sees_a_direct_import_in_a_test():
+    assert vllm_reached({"test_x": "def test_x():\n    from vllm.config import VllmConfig"}) == [
+        "vllm.config", "vllm.config.VllmConfig"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")
+def test_vllm_check_sees_a_module_that_loads_vllm_on_import():
+    """Negative control: the extend_tasks test (tests/vllm/test_metadata.py) imports
+    engine.metadata, whose task types take vLLM's base classes where vLLM is installed."""
+    found = vllm_reached({"test_metadata": (TESTS / "vllm" / "test_metadata.py").read_text()})
+    assert "vllm" in found

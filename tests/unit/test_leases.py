@@ -222,10 +222,10 @@ def test_claim_after_completion_is_refused_at_once_not_left_pending():
 
 def test_claim_with_another_prompt_fingerprint_is_refused_and_changes_nothing():
     t = LeaseTable()
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, digest="1:aa")
-    outcome, why = t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", digest="1:bb")
+    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, fingerprint="1:aa")
+    outcome, why = t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", fingerprint="1:bb")
     assert outcome == PROMPT_MISMATCH and "1:aa" in why and "1:bb" in why
-    assert t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", digest="")[0] == PROMPT_MISMATCH
+    assert t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", fingerprint="")[0] == PROMPT_MISMATCH
     assert t.expire(100.0) == ["a"]  # not extended, and no reader was registered
 
 
@@ -302,12 +302,12 @@ def test_no_lease_ends_under_a_granted_reader_except_at_its_deadline(requests, o
     ends by completion only once every reader granted a claim has completed; each id finishes
     once."""
     t = LeaseTable(claim_seconds=7.0)
-    t.grant("a", deadline=20.0, offset=1, block_ids=[[1]], digest="d", requests=requests)
+    t.grant("a", deadline=20.0, offset=1, block_ids=[[1]], fingerprint="d", requests=requests)
     now, granted, done, finished = 0.0, set(), set(), 0
     for op, reader, dt in ops:
         now += dt / 5
         if op == "claim":
-            if t.claim("a", 1, [[1]], now, now + dt, reader=reader, digest="d")[0] == GRANTED:
+            if t.claim("a", 1, [[1]], now, now + dt, reader=reader, fingerprint="d")[0] == GRANTED:
                 granted.add(reader)
         elif op == "done":
             ended = t.complete("a", now, reader=reader)
@@ -501,20 +501,6 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
     assert extension_interval(0.6) == pytest.approx(0.2)
     # A P granting a tiny lease must not make every engine step send an extension.
     assert extension_interval(0.003) == MIN_EXTEND_INTERVAL_S
-
-
-def test_extensions_are_grouped_one_message_per_prefill_peer_in_first_seen_order():
-    from pd_connector.core.params import PrefillRef
-    from pd_connector.engine.metadata import ExtendTask, extend_tasks
-
-    targets = [("h1", 1, "a"), ("h2", 1, "b"), ("h1", 1, "c"), ("h1", 2, "d")]
-    refs = [PrefillRef("e", host, port, rid) for host, port, rid in targets]
-    assert extend_tasks(refs) == [
-        ExtendTask("h1", 1, 1, ["a", "c"]),
-        ExtendTask("h2", 1, 1, ["b"]),
-        ExtendTask("h1", 2, 1, ["d"]),
-    ]
-    assert extend_tasks([]) == []
 
 
 # --- readers (tensor parallelism: several D ranks read one P rank's shard) -------------------

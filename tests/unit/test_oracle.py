@@ -1,10 +1,10 @@
-"""Pure tests of pd_connector.dev.testing.oracle (no server)."""
+"""Pure tests of pd_connector.dev.rig.oracle (no server)."""
 
 import math
 
 import pytest
 
-from pd_connector.dev.testing.oracle import (
+from pd_connector.dev.rig.oracle import (
     Completion,
     CompletionError,
     compare,

@@ -241,7 +241,7 @@ def test_a_wrong_plan_is_caught_by_the_byte_check(tamper):
 
 
 def attention_page(k: int, tp: int, tokens: int, kv_bytes: int, pad_per_head: int = 0, kernel_blocks: int = 1):
-    """A plain K/V page of a rank, as ``engine/shard_layout`` reads it off vLLM's view."""
+    """A plain K/V page of a rank, as ``engine/from_vllm/shard_layout`` reads it off vLLM's view."""
     heads = max(1, k // tp)
     per_kernel = tokens // kernel_blocks
     kernel_stride = heads * per_kernel * kv_bytes

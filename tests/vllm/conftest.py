@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,12 @@ pytest.importorskip(
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny local model so ModelConfig never touches a hub (its weights are not used)."""
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("llama", root))

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from PIL import Image
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import (
@@ -23,7 +23,7 @@ from vllm.multimodal.parse import MultiModalDataParser
 from vllm.multimodal.processing.inputs import ProcessorInputs
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-from pd_connector.engine import identity
+from pd_connector.engine.from_vllm import identity
 
 HYBRID = ("attention", "mamba")
 PROMPT = list(range(100, 140))
@@ -39,7 +39,7 @@ def scheduler(model_dir, role, form="blocks"):
     s.max_num_encoder_input_tokens = 1024
     s.encoder_cache_manager = EncoderCacheManager(cache_size=1024)
     if form == "tokens":
-        connector_half(s)._prefill.fingerprint_form = (identity.TOKENS, 0)
+        connector_half(s).prefill.fingerprint_form = connector_half(s).decode.fingerprint_form = (identity.TOKENS, 0)
     return s
 
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import connector_half, make_scheduler
+from pd_connector.dev.rig.scheduler_harness import connector_half, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_cache_interface import MambaSpec, get_mamba_prefill_checkpoint_position
@@ -44,7 +44,7 @@ def test_plan_lands_on_vllms_checkpoint_only_within_budget(n, unit, lookahead, d
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return {kind: str(build_model(kind, root)) for kind in ("llama", "eagle_llama", "qwen3_next_mtp")}
@@ -117,7 +117,7 @@ def test_eagle_drop_is_vllms_predicate_for_every_method(method, disable_drop):
 
     from vllm.config import SpeculativeConfig
 
-    from pd_connector.engine.compat import eagle_block_drop
+    from pd_connector.engine.from_vllm.config import eagle_block_drop
 
     spec_config = SpeculativeConfig.__new__(SpeculativeConfig)  # the predicates read two fields
     object.__setattr__(spec_config, "method", method)

@@ -26,13 +26,13 @@ harness samples no drafts, and its aggregated request never finishes there):
 from __future__ import annotations
 
 import pytest
-from harness import make_request, make_scheduler, run_step
+from pd_connector.dev.rig.scheduler_harness import make_request, make_scheduler, run_step
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core.handoff import min_recompute_tokens
-from pd_connector.dev.testing.cpu_matrix import random_prompt
-from pd_connector.dev.testing.tiny_models import build_model
+from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.tiny_models import build_model
 
 B = 64
 HYBRID = ("attention", "mamba")

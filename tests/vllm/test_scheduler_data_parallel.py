@@ -3,12 +3,12 @@ its own prefill engine (vLLM's ``<id>_dp<k>``) on its own ports, a D engine read
 them, and an engine with only connector work keeps being stepped (what DP's lockstep relies on)."""
 
 import pytest
-from harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from pd_connector.core.config import parse_settings
-from pd_connector.engine.compat import dp_placement
+from pd_connector.engine.from_vllm.config import dp_placement
 
 BASE = 5660
 P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -53,7 +53,7 @@ def test_one_d_engine_reads_from_either_p_engine_of_a_dp_group(model_dir):
         out, _ = run_step(d)
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         task = out.kv_connector_metadata.to_recv[req.request_id]
-        assert (task.prefill.engine_id, task.prefill.port) == (params["remote_engine_id"], BASE + k)
+        assert (task.lease.engine_id, task.lease.port) == (params["remote_engine_id"], BASE + k)
         run_step(d, kv_output=KVConnectorOutput(finished_recving={req.request_id}))
     assert connector_half(d).stats["handoff_accepted"] == 2
 
@@ -90,21 +90,21 @@ def test_dp_placement_reads_the_rank_vllm_keeps_and_whether_ranks_step_together(
 
 
 def test_a_worker_in_a_lockstep_dp_group_never_waits_in_an_idle_step(model_dir):
-    from pd_connector.engine.worker import WorkerHalf
+    from pd_connector.engine.worker import WorkerSide
 
     settings = parse_settings({"idle_step_wait_ms": 5.0})
     for lockstep, wait in ((False, 0.005), (True, 0.0)):
         s = make_scheduler(model_dir, "kv_producer", dp_index=1, dp_lockstep=lockstep)
-        worker = WorkerHalf(s.vllm_config, s.kv_cache_config, settings)
+        worker = WorkerSide(s.vllm_config, s.kv_cache_config, settings)
         assert worker._idle_wait_s == wait and worker.dp_index == 1
 
 
 def _worker(model_dir, dp_index, base):
     from pd_connector.core.protocol import Welcome
-    from pd_connector.engine.worker import WorkerHalf
+    from pd_connector.engine.worker import WorkerSide
 
     s = make_scheduler(model_dir, "kv_producer", dp_index=dp_index)
-    worker = WorkerHalf(s.vllm_config, s.kv_cache_config, parse_settings({"side_channel_port": base}))
+    worker = WorkerSide(s.vllm_config, s.kv_cache_config, parse_settings({"side_channel_port": base}))
     welcome = Welcome(worker.engine_id, "agent", b"", [], worker.compat)
     return worker, welcome
 
@@ -113,7 +113,7 @@ def test_two_instances_on_overlapping_ports_refuse_at_start_up_naming_the_scheme
     """A second DP-2 instance whose side_channel_port is one above the first's: its DP rank 0
     wants the first instance's DP rank 1 port. The bind refusal names the port, the setting and
     the scheme that fixes it."""
-    from pd_connector.dev.testing.ports import free_ports
+    from pd_connector.dev.rig.ports import free_ports
     from pd_connector.transport.side_channel import SideChannelError
 
     base = free_ports(3)

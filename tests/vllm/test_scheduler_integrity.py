@@ -5,13 +5,13 @@ EngineCore."""
 import time
 
 import pytest
-from harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.lora.request import LoRARequest
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core import pairing
-from pd_connector.core.prompt_digest import extra_keys, prompt_digest
-from pd_connector.engine import identity
+from pd_connector.core.fingerprint import extra_keys, fingerprint
+from pd_connector.engine.from_vllm import identity
 from pd_connector.engine.faults import SKIP_PROMPT_CHECK
 
 HYBRID = ("attention", "mamba")
@@ -45,12 +45,12 @@ def test_p_returns_the_prompt_fingerprint_and_the_lease_it_keeps_before_a_claim(
     req, params = prefill(p, PROMPT)
     r = params["replay_offset"]
     # vLLM hashes every block of every request when a connector is loaded: P reuses that chain.
-    assert params["pd_prompt_digest"].startswith("2:b:sha256:16:")
-    assert params["pd_prompt_digest"] == identity.prompt_fingerprint(req, r, *connector_half(p)._prefill.fingerprint_form)
+    assert params["pd_prompt_fingerprint"].startswith("2:b:sha256:16:")
+    assert params["pd_prompt_fingerprint"] == identity.prompt_fingerprint(req, r, *connector_half(p).prefill.fingerprint_form)
     assert params["pd_lease_seconds"] == 7  # the claim deadline, below lease_seconds
     out, _ = run_step(p)
     lease = out.kv_connector_metadata.to_send[req.request_id]
-    assert lease.digest == params["pd_prompt_digest"] and lease.requests == 1
+    assert lease.fingerprint == params["pd_prompt_fingerprint"] and lease.requests == 1
     assert lease.deadline - time.monotonic() == pytest.approx(7, abs=1.0)
 
 
@@ -64,7 +64,7 @@ def test_d_refuses_another_prompt_of_the_same_length_as_prompt_mismatch(model_di
     assert half.stats["refused:prompt_mismatch"] == 1
     assert out.num_scheduled_tokens == {req.request_id: 40}, "recomputed locally"
     (release,) = out.kv_connector_metadata.to_release
-    assert release.prefill.request_id == params["remote_request_id"]
+    assert release.lease.request_id == params["remote_request_id"]
     assert release.request_id == req.request_id, "released as this D request's reader"
     assert "prompt_mismatch" in release.reason and "first 39 tokens of this 40-token prompt" in release.reason
     assert str(other[20:30])[1:-1] not in release.reason
@@ -74,7 +74,7 @@ def test_d_accepts_a_prompt_that_differs_only_in_the_tail_it_recomputes(model_di
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
     d, req, out = decode(model_dir, PROMPT[:-1] + [5], params)
     task = out.kv_connector_metadata.to_recv[req.request_id]
-    assert task.prompt_digest == params["pd_prompt_digest"], "the claim carries the fingerprint"
+    assert task.fingerprint == params["pd_prompt_fingerprint"], "the claim carries the fingerprint"
     assert "refused:prompt_mismatch" not in connector_half(d).stats
 
 
@@ -132,9 +132,9 @@ def test_a_fingerprint_in_the_tokens_form_is_checked_too(model_dir):
     """A P whose block hashes are not comparable across engines (xxhash without PYTHONHASHSEED)
     folds every token; D checks that form whatever its own."""
     p = make_scheduler(model_dir, "kv_producer", groups=HYBRID)
-    connector_half(p)._prefill.fingerprint_form = (identity.TOKENS, 0)
+    connector_half(p).prefill.fingerprint_form = connector_half(p).decode.fingerprint_form = (identity.TOKENS, 0)
     _, params = prefill(p, PROMPT)
-    assert params["pd_prompt_digest"] == prompt_digest(PROMPT, 39)
+    assert params["pd_prompt_fingerprint"] == fingerprint(PROMPT, 39)
     d, req, out = decode(model_dir, PROMPT, params)
     assert req.request_id in out.kv_connector_metadata.to_recv
     d, _, _ = decode(model_dir, PROMPT[:-2] + [1, 2], params)
@@ -143,7 +143,7 @@ def test_a_fingerprint_in_the_tokens_form_is_checked_too(model_dir):
 
 def test_a_fingerprint_form_d_cannot_compute_is_refused_naming_the_settings(model_dir):
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
-    params = {**params, "pd_prompt_digest": "2:b:xxhash:16:deadbeef:" + "0" * 32}
+    params = {**params, "pd_prompt_fingerprint": "2:b:xxhash:16:deadbeef:" + "0" * 32}
     d, _, out = decode(model_dir, PROMPT, params)
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
     (release,) = out.kv_connector_metadata.to_release
@@ -153,7 +153,7 @@ def test_a_fingerprint_form_d_cannot_compute_is_refused_naming_the_settings(mode
 def test_a_fingerprint_of_another_version_is_refused_naming_the_version(model_dir):
     """Version 1 keyed LoRA adapters and multimodal items by name and path: not comparable."""
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
-    params = {**params, "pd_prompt_digest": "1:" + params["pd_prompt_digest"].partition(":")[2]}
+    params = {**params, "pd_prompt_fingerprint": "1:" + params["pd_prompt_fingerprint"].partition(":")[2]}
     d, _, out = decode(model_dir, PROMPT, params)
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1
     (release,) = out.kv_connector_metadata.to_release
@@ -181,8 +181,8 @@ def test_fingerprint_form_follows_the_engines_block_hashing(monkeypatch):
 
 def test_fingerprint_covers_multimodal_items_placed_before_the_offset():
     at = extra_keys([("img-1", 5, 10)], length=39)
-    assert prompt_digest(PROMPT, 39, at) != prompt_digest(PROMPT, 39, extra_keys([("img-2", 5, 10)], length=39))
-    assert prompt_digest(PROMPT, 39, at) != prompt_digest(PROMPT, 39, extra_keys([("img-1", 6, 10)], length=39))
+    assert fingerprint(PROMPT, 39, at) != fingerprint(PROMPT, 39, extra_keys([("img-2", 5, 10)], length=39))
+    assert fingerprint(PROMPT, 39, at) != fingerprint(PROMPT, 39, extra_keys([("img-1", 6, 10)], length=39))
     # An item after the offset is D's to compute: it does not change what P hands over.
     assert extra_keys([("img-1", 39, 10)], length=39) == ()
 
@@ -193,7 +193,7 @@ def test_fault_switch_lets_another_prompt_through_as_before_the_check(model_dir,
     monkeypatch.setenv("PD_CONNECTOR_FAULT_INJECTION", "1")
     _, params = prefill(make_scheduler(model_dir, "kv_producer", groups=HYBRID), PROMPT)
     d, req, out = decode(model_dir, list(range(300, 340)), {**params, SKIP_PROMPT_CHECK: True})
-    assert out.kv_connector_metadata.to_recv[req.request_id].prompt_digest == params["pd_prompt_digest"]
+    assert out.kv_connector_metadata.to_recv[req.request_id].fingerprint == params["pd_prompt_fingerprint"]
     monkeypatch.delenv("PD_CONNECTOR_FAULT_INJECTION")
     d, _, _ = decode(model_dir, list(range(300, 340)), {**params, SKIP_PROMPT_CHECK: True})
     assert connector_half(d).stats["refused:prompt_mismatch"] == 1, "inert without the env switch"
@@ -257,7 +257,7 @@ def test_source_block_selection_error_hands_over_nothing_instead_of_escaping_int
     free_before = p.kv_cache_manager.block_pool.get_num_free_blocks()
     req, params = prefill(p, PROMPT)
     assert params["do_remote_prefill"] is False and params["remote_block_ids"] == []
-    assert params["pd_prompt_digest"] == ""
+    assert params["pd_prompt_fingerprint"] == ""
     out, _ = run_step(p)
     assert not out.kv_connector_metadata.to_send
     assert connector_half(p).stats["p_pairing_failed"] == 1
@@ -326,8 +326,8 @@ def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_wi
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
-    from pd_connector.core.handoff import choose_replay_offset, min_recompute_tokens
-    from pd_connector.engine.compat import profile_from_vllm
+    from pd_connector.core.handoff import plan_handoff, min_recompute_tokens
+    from pd_connector.engine.from_vllm.config import profile_from_vllm
 
     spec = SlidingWindowMLASpec(
         block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128, bounded_replay=True
@@ -340,4 +340,4 @@ def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_wi
     )
     profile = profile_from_vllm(config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)]))
     assert profile.bounded_replay and min_recompute_tokens(profile) == 1
-    assert choose_replay_offset(1000, profile) == 999
+    assert plan_handoff(1000, profile).offset == 999

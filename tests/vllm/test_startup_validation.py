@@ -12,12 +12,10 @@ from pd_connector.core.config import parse_settings
 from pd_connector.transport.backends import missing_backends_message
 from pd_connector.core.protocol import compat_differences
 from pd_connector.transport.side_channel import SideChannelError, SideChannelServer
-from pd_connector.engine.compat import (
-    UnsupportedConfig,
-    check_supported,
-    engine_compat,
-    layouts_from_kv_cache_config,
-)
+from pd_connector.core.config import UnsupportedConfig
+from pd_connector.engine.from_vllm.refusals import check_supported
+from pd_connector.engine.from_vllm.engine_compat import engine_compat
+from pd_connector.engine.from_vllm.config import layouts_from_kv_cache_config
 
 
 def _config(tp=1, pp=1, dcp=1, device="cpu", platform="cpu"):
@@ -189,7 +187,7 @@ def test_mamba_block_size_alone_is_no_difference(model_dir):
 
 
 def test_handshake_names_a_different_model(model_dir, tmp_path):
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
 
     other = str(build_model("llama", tmp_path / "other-root"))
     renamed = tmp_path / "other-model"
@@ -228,14 +226,14 @@ def _model_config(model="org1/X", **kw):
     ({"hf_text_config": SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})}, "rope"),
 ])
 def test_model_identity_names_what_decides_weights_and_positions(theirs, field):
-    from pd_connector.engine.identity import model_identity
+    from pd_connector.engine.from_vllm.identity import model_identity
 
     mine, other = model_identity(_model_config()), model_identity(_model_config(**theirs))
     assert {k for k in mine if mine[k] != other[k]} >= {field}
 
 
 def test_model_identity_tolerates_what_does_not_change_the_pages():
-    from pd_connector.engine.identity import model_identity
+    from pd_connector.engine.from_vllm.identity import model_identity
 
     # The same weights mounted at different paths on P's and D's hosts.
     assert model_identity(_model_config("/mnt/a/X")) == model_identity(_model_config("/models/X/"))
@@ -257,7 +255,7 @@ def test_another_model_under_the_same_directory_name_is_refused_at_the_handshake
     import msgspec
 
     from pd_connector.core.protocol import EngineCompat, compat_differences
-    from pd_connector.engine.identity import model_files_digest, model_identity
+    from pd_connector.engine.from_vllm.identity import model_files_digest, model_identity
 
     same_a, same_b, other = (shutil.copytree(model_dir, tmp_path / d / "X") for d in ("a", "b", "c"))
     assert model_identity(_model_config(str(same_a))) == model_identity(_model_config(str(same_b)))
@@ -286,7 +284,7 @@ def hybrid_model_dir(tmp_path_factory) -> str:
     import os
     from pathlib import Path
 
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("nemotron_h", root))

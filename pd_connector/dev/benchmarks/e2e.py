@@ -5,7 +5,7 @@ to hold): P and D with ``PDConnector`` behind ``pd-connector proxy``, and P and 
 ``NixlConnector`` (``"kv_buffer_device":"cpu"``, per-instance
 ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``) behind the same proxy: it sends P vLLM's toy-proxy fields
 and forwards P's ``kv_transfer_params`` to D opaquely, which is all NixlConnector needs. Same
-model, flags and placement on both (``dev/testing/placement.cpu_binds`` for the four: unpinned,
+model, flags and placement on both (``dev/rig/placement.cpu_binds`` for the four: unpinned,
 one OpenMP thread each, on a 2-core box; vLLM's NixlConnector pins its own worker thread).
 Every prompt (a new one per round and length, so no prefix cache ever hits) goes to both
 deployments, one request at a time, alternating which goes first (A B, B A, ...) so drift on
@@ -65,7 +65,7 @@ from pd_connector.dev.benchmarks.e2e_report import (
     token_deltas,
 )
 from pd_connector.dev.benchmarks.e2e_servers import Deployment, send
-from pd_connector.dev.testing.placement import cpu_binds
+from pd_connector.dev.rig.placement import cpu_binds
 from pd_connector.urls import OPENER
 
 # --prefix-caching: the one hybrid whose CPU kernels run Mamba align mode (Mamba2's SSD kernel
@@ -114,7 +114,7 @@ def prompt_tokens_after(server, before: dict[str, float | None], n: int, timeout
 
 
 def snapshot(dep: Deployment) -> dict[str, float | None]:
-    from pd_connector.dev.testing.prometheus import parse_metric, parse_metric_labels
+    from pd_connector.dev.rig.prometheus import parse_metric, parse_metric_labels
 
     out: dict[str, float | None] = {}
     for role, names in SERIES.items():
@@ -133,9 +133,9 @@ def snapshot(dep: Deployment) -> dict[str, float | None]:
 
 
 def run_model(kind: str, args, log_root: Path) -> dict[str, Any]:
-    from pd_connector.dev.testing.cpu_matrix import CPU_MODELS, random_prompt
-    from pd_connector.dev.testing.servers import start_many
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, random_prompt
+    from pd_connector.dev.rig.servers import start_many
+    from pd_connector.dev.rig.tiny_models import build_model
 
     model = str(build_model(kind, Path(args.model_root)))
     log_dir = log_root / kind

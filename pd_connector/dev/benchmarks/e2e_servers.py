@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pd_connector.dev.testing.process_groups import signal_group
-from pd_connector.dev.testing.proxy_process import ProxyProcess
+from pd_connector.dev.rig.process_groups import signal_group
+from pd_connector.dev.rig.proxy_process import ProxyProcess
 from pd_connector.urls import OPENER
 
 
@@ -26,9 +26,9 @@ class Deployment:
 
     def __init__(self, system: str, model: str, server_args: list[str], log_dir: Path, max_model_len: int,
                  placement: list[tuple[str, dict[str, str]]], dtype: str = "float32"):
-        from pd_connector.dev.testing.ports import free_port
-        from pd_connector.dev.testing.servers import VllmServer, source_checkout_env
-        from pd_connector.dev.testing.stack import kv_transfer_config
+        from pd_connector.dev.rig.ports import free_port
+        from pd_connector.dev.rig.servers import VllmServer, source_checkout_env
+        from pd_connector.dev.rig.stack import kv_transfer_config
 
         self.system = system
         self.log_dir = log_dir

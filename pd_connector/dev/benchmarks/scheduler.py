@@ -1,6 +1,6 @@
 """Scheduler-side cost of pd_connector: microseconds per request in our hooks vs vLLM's own.
 
-vLLM's real in-process ``Scheduler`` (``pd_connector.dev.testing.scheduler_harness``: no engine,
+vLLM's real in-process ``Scheduler`` (``pd_connector.dev.rig.scheduler_harness``: no engine,
 no worker, no GPU) runs ``--requests`` concurrent requests (all added before the first step)
 end to end, for each prompt length in ``--prompt-lens``:
 
@@ -12,7 +12,7 @@ end to end, for each prompt length in ``--prompt-lens``:
                    update_state_after_alloc) -> ``finished_recving`` one step later -> recompute
                    the tail and decode ``--max-tokens`` tokens -> finish.
 
-Every ``SchedulerHalf`` method (our logic) and every ``PDConnector`` method vLLM's Scheduler
+Every ``SchedulerSide`` method (our logic) and every ``PDConnector`` method vLLM's Scheduler
 calls that does not delegate to it is wrapped with a timer reading the thread's CPU clock (the
 figure reported: what the hook costs the scheduler thread, immune to preemption on a shared
 box) and the wall clock (in the JSON and the table's "wall" column); the timer's own bias,
@@ -137,7 +137,7 @@ def run_p(harness, model_dir, cfg: Config, prompts, args, cal: dict):
     ordered = [params[r.request_id] for r in reqs]
     bad = [(p, len(pr)) for p, pr in zip(ordered, prompts) if not p or p.get("replay_offset") != len(pr) - 1]
     assert not bad, f"unexpected P results, e.g. {bad[:2]}"
-    assert not s.connector._scheduler._prefill.offsets, "P kept offsets of finished requests"
+    assert not s.connector._scheduler.prefill.offsets, "P kept offsets of finished requests"
     return summarize(timers, d, wall, len(reqs), cal), ordered
 
 
@@ -176,7 +176,7 @@ def run_d(harness, model_dir, cfg: Config, prompts, p_params, args, cal: dict, p
     stats = dict(half.stats)
     # Every request was admitted through P's handoff (none refused, none recomputed locally).
     assert loaded_total == len(reqs) == stats.get("handoff_accepted"), f"{loaded_total} of {len(reqs)} loaded ({stats})"
-    assert not half._decisions, "D kept decisions of admitted requests"
+    assert not half.decode._decisions, "D kept decisions of admitted requests"
     return summarize(timers, d, wall, len(reqs), cal)
 
 
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     t_start = time.monotonic()
     print(f"bench scheduler: {args.requests} concurrent requests, prompts {args.prompt_lens}, load {os.getloadavg()[0]:.1f}; importing vLLM...", flush=True)
-    from pd_connector.dev.testing import scheduler_harness as harness
-    from pd_connector.dev.testing.tiny_models import build_model
+    from pd_connector.dev.rig import scheduler_harness as harness
+    from pd_connector.dev.rig.tiny_models import build_model
 
     # Records are formatted and written as a server at this level would, then discarded.
     sink = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the run
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     title = f"scheduler-side cost, {args.requests} concurrent requests, log level {args.log_level}"
     print(f"\n== {title} ==")
-    print("ours = SchedulerHalf + PDConnector hooks, CPU time of the scheduler thread (timer bias subtracted);")
+    print("ours = SchedulerSide + PDConnector hooks, CPU time of the scheduler thread (timer bias subtracted);")
     print("vLLM = add_request + schedule + update_from_output minus our hooks, same clock; wall = the same")
     print("hooks by wall clock (includes preemption by other processes); best of --repeat runs by our total\n")
     text = table(results)

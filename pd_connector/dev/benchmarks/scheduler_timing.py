@@ -1,6 +1,6 @@
 """Timing instruments of the scheduler-side benchmark (``pd_connector.dev.benchmarks.scheduler``).
 
-``instrument`` wraps every ``SchedulerHalf`` method and every ``PDConnector`` hook vLLM's
+``instrument`` wraps every ``SchedulerSide`` method and every ``PDConnector`` hook vLLM's
 Scheduler calls with a ``Timers`` entry (thread CPU time and wall time per call); ``Driver``
 times vLLM's own entry points around them; ``summarize`` turns one run into µs per request,
 timer bias (``calibrate``) subtracted.
@@ -14,7 +14,7 @@ import gc
 import time
 from collections import defaultdict
 
-# SchedulerHalf methods vLLM reaches through the PDConnector facade.
+# SchedulerSide methods vLLM reaches through the PDConnector facade.
 HALF_METHODS = (
     "on_new_request",
     "get_num_new_matched_tokens",
@@ -22,7 +22,7 @@ HALF_METHODS = (
     "build_connector_meta",
     "request_finished",
 )
-# PDConnector methods that only forward to SchedulerHalf (timed there, not twice).
+# PDConnector methods that only forward to SchedulerSide (timed there, not twice).
 DELEGATING = {*HALF_METHODS, "request_finished_all_groups"}
 # KVConnectorBase_V1 scheduler-side methods vLLM 0.32's Scheduler calls (vllm/v1/core/sched/
 # scheduler.py); the base-class defaults count too: they run on every step.
@@ -119,7 +119,7 @@ def instrument(scheduler, timers: Timers) -> None:
     connector = scheduler.connector
     half = connector._scheduler
     for name in HALF_METHODS:
-        timers.wrap(half, name, f"SchedulerHalf.{name}")
+        timers.wrap(half, name, f"SchedulerSide.{name}")
     cls = type(connector)
     for name in dir(cls):
         if name.startswith("_") or name in DELEGATING or name in NOT_PER_STEP:
@@ -129,10 +129,10 @@ def instrument(scheduler, timers: Timers) -> None:
             continue
         if name in vars(cls) or name in BASE_SCHEDULER_HOOKS:
             timers.wrap(connector, name, f"PDConnector.{name}")
-    from pd_connector.engine import compat
+    from pd_connector.engine.from_vllm import identity
 
     # Inside on_new_request on both halves: P over the tokens it prefills, D over its prompt[:R].
-    timers.wrap(compat, "prompt_fingerprint", FINGERPRINT)
+    timers.wrap(identity, "prompt_fingerprint", FINGERPRINT)
 
 
 class Driver:

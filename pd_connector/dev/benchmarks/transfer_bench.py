@@ -93,17 +93,17 @@ class Bench:
             if "unpacked" in variants:  # the pre-packing connector: one row per layer
                 with mock.patch.object(layout, "common_packing", lambda a, b: frozenset()):
                     self.d_t.add_peer(UNPACKED, self.p_t.agent_metadata, p_side.regions, self.dev)
-            li, ri = self.d_t.plan(KEY, pairs)
+            li, ri = self.d_t.planner(KEY).indices(pairs)
             res = Result(
                 section, model, tokens, user_block, geom.block_size,
                 "block-outer" if block_outer else "layer-outer", "scattered" if scattered else "contiguous",
                 f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                self.d_t.count_runs(KEY, li, ri), knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB},
+                self.d_t.planner(KEY).count_runs(li, ri), knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB},
                 load=os.getloadavg()[0], contig=self.contiguous_runs(pairs),
             )
             if "unpacked" in variants:
-                uli, uri = self.d_t.plan(UNPACKED, pairs)
-                res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), self.d_t.count_runs(UNPACKED, uli, uri)
+                uli, uri = self.d_t.planner(UNPACKED).indices(pairs)
+                res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), self.d_t.planner(UNPACKED).count_runs(uli, uri)
             self.once("connector", pairs, p_side, d_side, nbytes, {})  # untimed, then checked
             res.verified = verify(p_side, d_side, pairs, geom.page_bytes)
             raws["raw"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
@@ -111,7 +111,7 @@ class Bench:
                 raws["raw_threads"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev, self.num_threads)
             if "cma_runs" in variants:
                 self.cma = {
-                    "cma_runs": paths.CmaRead(*self.d_t.merged_ranges(KEY, li, ri)),
+                    "cma_runs": paths.CmaRead(*self.d_t.planner(KEY).merged_ranges(li, ri)),
                     "cma_one": paths.CmaRead(np.array([d_side.base]), np.array([p_side.base]), np.array([nbytes])),
                 }
             stages: dict[str, list[dict]] = {v: [] for v in variants}
@@ -136,9 +136,9 @@ class Bench:
     def contiguous_runs(self, pairs) -> int:
         """Runs NIXL would merge the plan into before ``read_plan.cut_long_runs`` cuts them for the
         worker threads (the benchmark reaches into the transport's peer on purpose)."""
-        peer = self.d_t._peers[KEY]
-        li, ri = layout.plan_indices(pairs, peer.local_rows, peer.rows)
-        return layout.count_runs(li, ri, peer.local_rows, peer.rows)
+        planner = self.d_t.planner(KEY)
+        li, ri = layout.plan_indices(pairs, planner.local, planner.remote)
+        return planner.count_runs(li, ri)
 
     def once(self, variant, pairs, p_side, d_side, nbytes, raws) -> dict:
         if variant == "memcpy":

@@ -1,6 +1,6 @@
 """The ways the transfer benchmark moves one request's bytes, plus first-request cost.
 
-  connector  exactly what ``pd_connector/engine/receiver.py`` does per request: ``NixlTransport.plan``
+  connector  exactly what ``pd_connector/engine/decode/receiver.py`` does per request: ``read_plan.Planner.plan``
              -> ``read_slices`` -> ``ChunkedRead`` (prepared lists; slices of
              ``nixl_read_chunk_mib`` where the post copies, else one post through the worker
              threads; notification on the last) polled to DONE.
@@ -70,7 +70,7 @@ def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, ke
     end to end; ``post`` = the longest single call into NIXL, i.e. the longest stall of D's
     engine thread."""
     t0 = time.perf_counter()
-    xfer = ChunkedRead(d_t, key, d_t.read_plan(key, pairs, chunk_bytes), notif)
+    xfer = ChunkedRead(d_t, key, d_t.planner(key).plan(pairs, chunk_bytes), notif)
     t1 = time.perf_counter()
     longest, deadline = 0.0, t1 + 60.0
     while True:

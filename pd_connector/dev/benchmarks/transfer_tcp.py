@@ -1,5 +1,5 @@
 """The transfer benchmark's ``tcp`` section: the connector's READ against raw NIXL between two
-processes on two "hosts" (``dev/testing/netns.py``: two network namespaces with boot ids of
+processes on two "hosts" (``dev/rig/netns.py``: two network namespaces with boot ids of
 their own, joined by a veth link), where UCX finds only ``tcp`` reachable and picks it itself.
 
 P (``serve``) and D (``read``) run as subprocesses, one on each host, and meet through files in
@@ -115,11 +115,11 @@ def read(workdir: Path) -> int:
             d_t.connect(KEY)
             raw = None
             try:
-                li, ri = d_t.plan(KEY, pairs)
+                li, ri = d_t.planner(KEY).indices(pairs)
                 res = Result("tcp", model, tokens, user_block, geom.block_size, "layer-outer",
                              "scattered" if scattered else "contiguous",
                              f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                             d_t.count_runs(KEY, li, ri), knobs={"num_threads": settings["num_threads"]},
+                             d_t.planner(KEY).count_runs(li, ri), knobs={"num_threads": settings["num_threads"]},
                              load=os.getloadavg()[0])
                 paths.connector_once(d_t, pairs, f"tcp-{next(notif)}".encode(), chunk)  # untimed, checked
                 res.verified = verify(mirror, d_side, pairs, geom.page_bytes)
@@ -156,10 +156,10 @@ def run(args, cases, timeout_s: float = 900.0, own_boot_ids: bool = True) -> dic
     the logs' directory, or ``{"skipped": reason}`` where namespaces cannot be made.
     ``own_boot_ids=False``: the two namespaces stay one machine to UCX (``netns.TwoHosts``)."""
     from pd_connector.dev.benchmarks.transfer_bench import progress_delay
-    from pd_connector.dev.testing import ucx_logs
-    from pd_connector.dev.testing.netns import TwoHosts, unavailable_reason
-    from pd_connector.dev.testing.process_groups import signal_group
-    from pd_connector.dev.testing.servers import source_checkout_env
+    from pd_connector.dev.rig import ucx_logs
+    from pd_connector.dev.rig.netns import TwoHosts, unavailable_reason
+    from pd_connector.dev.rig.process_groups import signal_group
+    from pd_connector.dev.rig.servers import source_checkout_env
 
     reason = unavailable_reason()
     if reason:

@@ -3,7 +3,7 @@ request, and how long the connector's READs take against raw NIXL moving the sam
 
 In one process, with real NIXL agents (UCX over DRAM): P ranks and D ranks of a synthetic hybrid
 (two attention layers, one Mamba2 or GDN layer, laid out as vLLM shards them:
-``dev/testing/tp_layouts.py``). Per (P TP, D TP) and D rank: descriptors (NIXL's merged runs)
+``dev/rig/tp_layouts.py``). Per (P TP, D TP) and D rank: descriptors (NIXL's merged runs)
 and bytes per source rank, the connector's READs (``NixlTransport.read_plan`` +
 ``ChunkedRead``, one per source rank, posted together and polled to DONE) and raw NIXL (one
 descriptor per source rank carrying the same bytes), and their ratio. Figures, not assertions.
@@ -23,7 +23,7 @@ import numpy as np
 from pd_connector.core import shards
 from pd_connector.dev.benchmarks import report
 from pd_connector.dev.benchmarks.transfer_paths import POLL_S
-from pd_connector.dev.testing.tp_layouts import Model
+from pd_connector.dev.rig.tp_layouts import Model
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead
 
 DEFAULT_PAIRS = "1x2,2x1,2x2,1x4,4x1,2x4,4x2"
@@ -76,7 +76,7 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
                 key = f"p#{r}"
                 rank.transport.add_peer(key, p_ranks[r].transport.agent_metadata, remote, local_regions=local)
                 keys[r] = key
-            plans_of = {r: rank.transport.read_plan(key, pairs, 0) for r, key in keys.items()}
+            plans_of = {r: rank.transport.planner(key).plan(pairs, 0) for r, key in keys.items()}
             # Raw NIXL: each source rank's bytes as one descriptor between the same two agents.
             agent = rank.transport._agent  # the benchmark reaches into the transport on purpose
             for r, plan in plans_of.items():

@@ -1,0 +1,383 @@
+"""D's load pipeline on one TP rank: per request, one *leg* per P rank it pairs with
+(``shards.peer_ranks``), each through: connect -> claim -> READ (or release) -> done.
+
+- connect: once per P engine, every paired rank's side channel in one background call; with
+  different TP sizes the shard plan (``shards.shard_regions``) says which bytes each P rank
+  sends. A failed connect fails every request waiting on it; later requests retry.
+- claim: each P rank confirms offset and block ids against its lease and extends it (background
+  thread); a refused claim fails the request before any byte is read.
+- READ: one prepared NIXL transfer per leg (engine thread), sliced where the post itself copies
+  (``NixlTransport.read_plan``); the notification on its last post tells that P rank this reader
+  is done. A P rank this rank reads nothing from (replicated units) is released instead.
+- optional digest check of the recurrent state (equal TP only).
+- the hold: a READ counts only if it completed while P still held the lease, as far as P's
+  grant and its answers to the extensions confirmed (``core/read_hold.py``); P frees a lease
+  at its deadline even under a READ, so one that outlived it fails (``lease_lost``).
+
+Lease keep-alive is not kept here: D's scheduler extends every handoff it depends on, from
+acceptance until this pipeline reports the load ended (``SchedulerSide._due_extensions``); the
+worker only forwards those extensions (``extend``).
+
+A request ends when all its legs have: ``finished``, or ``failed`` if any leg failed (the
+scheduler recomputes). A failed request's legs that have not read yet release their P rank at
+once; a leg already reading runs to its end first, so nothing writes into D's blocks once vLLM
+hears the outcome. All NIXL calls stay on the engine thread; the background threads only speak
+ZMQ (``transport/sender_client.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pd_connector.core import read_hold, shards
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
+from pd_connector.engine import faults
+from pd_connector.engine.faults import StateCorrupter
+from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
+from pd_connector.engine.metrics import Recorder
+from pd_connector.engine.decode.prefill_peers import PrefillPeers
+from pd_connector.engine.decode.read_in_flight import ReadInFlight
+from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
+from pd_connector.transport.sender_client import ClaimRequest, SenderClient
+
+logger = logging.getLogger("vllm.pd_connector")
+
+MiB = 1 << 20
+# A post or poll of a READ that holds D's engine thread longer than this is reported
+# (``nixl_call_slow``): a post copies a 32 MiB slice in ~10 ms, a poll takes microseconds.
+SLOW_NIXL_CALL_S = 1.0
+# Threads making side-channel calls (handshakes, claims, releases, extensions).
+_SIDE_CHANNEL_THREADS = 4
+
+
+@dataclass
+class _Load:
+    task: RecvTask
+    legs: set[int]  # P ranks whose leg has not ended
+    reader: str
+    readers: int
+    error: tuple[str, str] | None = None  # (why, kind) of the first failed leg
+    started: float = field(default_factory=time.monotonic)
+
+
+class Receiver:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        settings: ConnectorSettings,
+        engine_id: str,
+        compat: EngineCompat,
+        state_digest: Callable[[list[list[int]]], bytes] | None,
+        corrupt_state: StateCorrupter | None = None,
+        wake: threading.Event | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        self.transport = transport
+        self.settings = settings
+        self.engine_id = engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._state_digest = state_digest
+        self._corrupt_state = corrupt_state  # test-only (engine/faults.py)
+        self.recorder = Recorder()
+        self._chunk_bytes = settings.nixl_read_chunk_mib * MiB
+        # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
+        # waits for its grant does not hold up the others.
+        self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
+        # At most one socket in use per thread: keep that many open per P, no more.
+        self._calls = SenderClient(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
+        # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
+        # (WorkerSide.get_transfer_results) resumes at once.
+        self._wake = wake
+        self._peers = PrefillPeers(
+            transport, self._calls, self._submit, tp_rank, tp_size, self.recorder, settings.prefill_engine_idle_seconds
+        )
+        self._loads: dict[str, _Load] = {}
+        self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
+        self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
+        # Extensions in flight: (answer, sent, P host, P base port, P rank).
+        self._extensions: list[tuple[Future, float, str, int, int]] = []
+        self._reads: dict[tuple[str, int], ReadInFlight] = {}
+        self.finished: set[str] = set()
+        self.failed: dict[str, str] = {}
+
+    # -- inputs from the scheduler -----------------------------------------------------------
+
+    def add(self, request_id: str, task: RecvTask) -> None:
+        p = task.lease.tp_size
+        try:
+            ranks = shards.peer_ranks(p, self.tp_size, self.tp_rank)
+        except shards.ShardError as exc:
+            self._refuse(request_id, task, str(exc), "tp_mismatch")
+            return
+        if task.pairs is None:
+            self._refuse(request_id, task, "P's blocks could not be paired with this instance's", "pairing")
+            return
+        self._loads[request_id] = _Load(
+            task, set(ranks), reader=self._reader(request_id), readers=shards.readers_per_rank(p, self.tp_size)
+        )
+        self._waiting.extend((request_id, rank) for rank in ranks)
+        self._peers.connect(task.lease)
+
+    def _reader(self, request_id: str) -> str:
+        """This rank reading for D request ``request_id``: one of the readers P's lease counts."""
+        return f"{self.engine_id}#{self.tp_rank}/{request_id}"
+
+    def release_all(self, task: ReleaseTask) -> None:
+        """D's scheduler will not load this handoff: every P rank may free it (each D rank sends
+        it to the P ranks it pairs with, so every P rank hears it), as the reader of
+        ``task.request_id`` (its n > 1 siblings keep the lease), or whole without one."""
+        reader, readers = "", 1
+        try:
+            ranks = shards.peer_ranks(task.lease.tp_size, self.tp_size, self.tp_rank)
+            if task.request_id:
+                reader = self._reader(task.request_id)
+                readers = shards.readers_per_rank(task.lease.tp_size, self.tp_size)
+        except shards.ShardError:
+            ranks = range(task.lease.tp_size) if self.tp_rank == 0 else ()
+        for rank in ranks:
+            self._executor.submit(self._calls.release, task.lease, rank, task.reason, reader, readers)
+
+    def extend(self, task: ExtendTask) -> None:
+        """Extend on the P ranks this rank pairs with (each D rank covers its own), except the
+        requests whose leg to that rank is connecting or claiming: the claim is the lease check
+        and extends the lease when granted, and an extension behind an unanswered claim would
+        hold a side-channel thread until it times out."""
+        try:
+            ranks = shards.peer_ranks(task.tp_size, self.tp_size, self.tp_rank)
+        except shards.ShardError:
+            return
+        unclaimed = {(self._loads[rid].task.lease.request_id, rank) for rid, rank in (*self._waiting, *self._claims)}
+        for rank in ranks:
+            ids = [rid for rid in task.request_ids if (rid, rank) not in unclaimed]
+            if ids:
+                sent = time.monotonic()  # before submitting: P may answer before submit returns
+                future = self._executor.submit(self._calls.extend, task.host, task.port + rank, ids)
+                self._extensions.append((future, sent, task.host, task.port, rank))
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Move every request as far along as it can go now; never blocks."""
+        self._peers.finish_connects()
+        self._peers.forget_idle(lambda: {load.task.lease.engine_id for load in self._loads.values()})
+        self._start_claims()
+        self._start_reads()
+        self._take_extension_answers()
+        self._poll_reads()
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        finished, failed = self.finished, set(self.failed)
+        self.finished, self.failed = set(), {}
+        return finished, failed
+
+    def pending(self) -> int:
+        return len(self._loads)
+
+    def reading(self) -> bool:
+        """A READ is in flight: the engine thread must keep polling (and posting slices)."""
+        return bool(self._reads)
+
+    def _submit(self, fn, *args) -> Future:
+        future = self._executor.submit(fn, *args)
+        if self._wake is not None:
+            future.add_done_callback(lambda _: self._wake.set())
+        return future
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def _start_claims(self) -> None:
+        still = []
+        for leg in self._waiting:
+            request_id, rank = leg
+            load = self._loads[request_id]
+            key = load.task.lease.engine_id
+            error = self._peers.errors.get(key)
+            if load.error is not None:
+                self._end_leg(leg, release=True)
+            elif error is not None:
+                # A P that answered (refused, or its shards cannot pair) is told to release; one
+                # that never answered cannot hear it (it frees at its claim deadline).
+                self._end_leg(leg, error, release=error[1] != "handshake")
+            elif key in self._peers.engines:
+                task = load.task
+                request = ClaimRequest(
+                    task.lease,
+                    rank,
+                    task.replay_offset,
+                    task.remote_block_ids or [],
+                    load.reader,
+                    load.readers,
+                    task.fingerprint,
+                )
+                # Stamped before submitting: the claim may be answered before submit returns.
+                sent = time.monotonic()
+                self._claims[leg] = (self._submit(self._calls.claim, request), sent)
+            else:
+                self._peers.connect(load.task.lease)  # a no-op unless dropped (restarted P)
+                still.append(leg)
+        self._waiting = still
+        if not self._waiting:
+            self._peers.forget_errors()
+
+    def _start_reads(self) -> None:
+        for leg, (future, sent) in list(self._claims.items()):
+            if not future.done():
+                continue
+            del self._claims[leg]
+            request_id, rank = leg
+            load = self._loads[request_id]
+            try:
+                granted, answered = future.result()
+            except Exception as exc:
+                self._end_leg(leg, (str(exc), "claim"), release=True)
+                continue
+            self.recorder.observe("claim_seconds", answered - sent)
+            key = load.task.lease.engine_id
+            engine = self._peers.engines.get(key)
+            if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):
+                # P restarted under the same engine id since we connected: connect again, then
+                # claim again (idempotent: same reader).
+                logger.info("pd_connector: prefill engine %s restarted; connecting again", key)
+                self._peers.drop(key)
+                self._waiting.append(leg)
+                continue
+            if load.error is not None:
+                self._end_leg(leg, release=True)
+                continue
+            hold = read_hold.held_until(sent, granted.lease_seconds)
+            self._post(leg, load, engine.sources.get(rank), granted.state_digest, hold)
+
+    def _post(self, leg: tuple[str, int], load: _Load, peer: str | None, digest: bytes, hold: float) -> None:
+        if peer is None:
+            self._end_leg(leg, release=True, reason="nothing to read from this rank")
+            return
+        try:
+            plan = self.transport.planner(peer).plan(load.task.pairs, self._chunk_bytes)
+            if plan.empty:
+                # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
+                self._end_leg(leg, release=True, reason="nothing to read")
+                return
+            done = ReadDone(load.task.lease.request_id, load.reader, load.readers)
+            xfer = ChunkedRead(self.transport, peer, plan, encode_read_done(done))
+        except Exception as exc:
+            self._end_leg(leg, (str(exc), "post"), release=True)  # nothing will be read
+            return
+        if load.task.lease.tp_size != self.tp_size:
+            digest = b""  # P's pages hold another shard than ours
+        lease = load.task.lease
+        self._reads[leg] = ReadInFlight(
+            xfer, lease, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes, hold
+        )
+
+    def _take_extension_answers(self) -> None:
+        """Move each READ's hold forward by the extensions P confirmed. A request P left out
+        is no longer held there: its hold stays where it was, so the READ counts only if it
+        completes before that (P may also have ended it on this READ's own notification)."""
+        still = []
+        for entry in self._extensions:
+            future, sent, host, port, rank = entry
+            if not future.done():
+                still.append(entry)
+                continue
+            reply = None if future.exception() is not None else future.result()
+            if reply is None:
+                continue
+            for read in self._reads.values():
+                read.confirm_hold(host, port, rank, sent, reply.held)
+        self._extensions = still
+
+    def _poll_reads(self) -> None:
+        # At most one slice posted per call where the post copies (DRAM without worker
+        # threads), oldest request first; otherwise every READ posts at once.
+        budget = 1
+        for leg, read in list(self._reads.items()):
+            may_post = not (self.transport.copies_in_post and self._chunk_bytes) or budget > 0
+            posted = read.xfer.next
+            called = time.monotonic()
+            state = read.xfer.advance(may_post)
+            now = time.monotonic()
+            budget -= read.xfer.next - posted
+            if now - called > SLOW_NIXL_CALL_S:
+                read.report_slow_call(leg[0], now - called, self.recorder, self.settings.nixl_num_threads)
+            if state == PENDING:
+                if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
+                    read.warned = True
+                    read.report_slow_read(leg[0], now - read.read_started, self.recorder, self.settings.nixl_num_threads)
+                continue
+            del self._reads[leg]
+            load = self._loads[leg[0]]
+            own_blocks = [[d for _, d in g] for g in load.task.pairs]
+            if self._corrupt_state is not None and faults.corrupts(load.task):
+                self._corrupt_state(own_blocks)
+            if state == FAILED:
+                # No completion notification will come: release.
+                self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)
+                continue
+            if not read_hold.read_was_held(read.hold, now):
+                why = (
+                    f"the READ completed {now - read.hold:.1f} s after the end of the lease P "
+                    "confirmed: P may have freed and reused those blocks"
+                )
+                self._end_leg(leg, (why, "lease_lost"))
+                continue
+            if read.digest and self._state_digest is not None and self._state_digest(own_blocks) != read.digest:
+                self._end_leg(leg, ("the recurrent state read differs from P's digest", "digest"))
+                continue
+            self.recorder.observe("read_seconds", now - read.read_started)
+            self.recorder.observe("transfer_bytes", read.nbytes)
+            self.recorder.observe("descriptors", read.descriptors)
+            self._end_leg(leg)
+
+    def _end_leg(
+        self, leg: tuple[str, int], error: tuple[str, str] | None = None, release: bool = False, reason: str = ""
+    ) -> None:
+        """One leg is over (READ done, failed or never to start); the request ends with its
+        last leg. ``release``: tell that P rank this reader is done without a notification."""
+        request_id, rank = leg
+        load = self._loads[request_id]
+        if error is not None and load.error is None:
+            load.error = error
+        if release:
+            why = reason or (f"decode load failed: {load.error[0]}" if load.error else "not read")
+            self._executor.submit(
+                self._calls.release, load.task.lease, rank, why, load.reader, load.readers
+            )
+        load.legs.discard(rank)
+        if load.legs:
+            return
+        del self._loads[request_id]
+        if load.error is not None:
+            self._fail(request_id, *load.error)
+            return
+        self.finished.add(request_id)
+        now = time.monotonic()
+        self.recorder.observe("transfer_seconds", now - load.started)
+        logger.debug("pd_connector: %s loaded in %.2f ms", request_id, (now - load.started) * 1e3)
+
+    def _refuse(self, request_id: str, task: RecvTask, why: str, kind: str) -> None:
+        """Fail a request before any leg started, and let every P rank free it."""
+        self._fail(request_id, why, kind)
+        self.release_all(ReleaseTask(task.lease, f"decode refused the load ({kind}): {why}"))
+
+    def _fail(self, request_id: str, why: str, kind: str) -> None:
+        self.recorder.count(f"load_failed:{kind}")
+        logger.warning(
+            "pd_connector: loading KV for %s failed (%s); load_failure_policy=%s",
+            request_id,
+            why,
+            self.settings.load_failure_policy,
+        )
+        self.failed[request_id] = why
+
+    def close(self) -> None:
+        for read in self._reads.values():
+            read.xfer.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()

@@ -1,0 +1,298 @@
+"""D's half of the scheduler side (in vLLM's EngineCore process): what D accepts and reads.
+
+``accept`` (on_new_request) validates P's offset and the prompt fingerprint once, logging and
+counting a refusal once and releasing P with the reason; ``num_tokens_to_load``
+(get_num_new_matched_tokens) reports ``R - local_hit``; ``admit`` (update_state_after_alloc)
+queues the request, and ``pair_admitted`` (the step's end) maps P's blocks onto D's for the
+worker. ``due_extensions`` is D's one keep-alive clock for P's leases meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pd_connector.core import handoff, pairing
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.leases import extension_interval
+from pd_connector.core.pairing import GroupLayout
+from pd_connector.core.params import LeaseRef, release_target
+from pd_connector.engine import faults
+from pd_connector.engine.from_vllm import identity
+from pd_connector.engine.metadata import ExtendTask, ReleaseTask, RecvTask, extend_tasks
+from pd_connector.engine.metrics import Recorder
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector")
+
+
+def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
+    """Ids of a run of one group of vLLM's ``KVCacheBlocks.blocks``: what
+    ``KVCacheBlocks.get_block_ids`` (vllm/v1/core/kv_cache_manager.py) does for every block of
+    every group (a list comprehension: the fastest form on 3.11, docs/benchmarks.md)."""
+    return [block.block_id for block in blocks]
+
+
+class Admitted(msgspec.Struct):
+    """A handoff D admitted this step, paired at the step's end (``pair_admitted``)."""
+
+    request_id: str
+    decision: handoff.Accepted
+    tables: Any  # D's KVCacheBlock lists per transfer group
+    num_external_tokens: int
+    num_prompt_tokens: int
+
+
+class DecodeScheduler:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        profile: handoff.RecomputeProfile,
+        layouts: tuple[GroupLayout, ...],
+        group_ids: tuple[int, ...],
+        all_groups_transfer: bool,
+        tp_size: int,
+        recorder: Recorder,
+        fingerprint_form: tuple[str, int],
+    ):
+        self.settings = settings
+        self.profile = profile
+        self.layouts = layouts
+        self.group_ids = group_ids
+        self._all_groups_transfer = all_groups_transfer
+        self._tp_size = tp_size  # logged and counted per (P TP -> D TP) pair
+        self.recorder = recorder
+        self.fingerprint_form = fingerprint_form
+        self._faults = faults.injector()
+        # Validated handoffs waiting for admission.
+        self._decisions: dict[str, handoff.Accepted] = {}
+        # Handoffs handed to the worker and not yet reported loaded, by D request.
+        self._loading: dict[str, LeaseRef] = {}
+        # Handoffs admitted this step, paired in one pass at its end.
+        self._to_pair: list[Admitted] = []
+        # Per-step outboxes, drained by take_tasks.
+        self._to_recv: dict[str, RecvTask] = {}
+        self._to_release: list[ReleaseTask] = []
+        self._last_extend = time.monotonic()
+        # The shortest lease a P said it keeps a queued handoff (pd_lease_seconds), so the
+        # extensions of queued handoffs come every third of what P grants, not of our own.
+        self._shortest_p_lease = settings.lease_seconds
+        # Prefill engines a handoff was accepted from (one INFO line each).
+        self._peers_seen: set[str] = set()
+
+    def take_tasks(self) -> tuple[dict[str, RecvTask], list[ReleaseTask], list[ExtendTask]]:
+        """This step's work for the worker: reads, releases, extensions."""
+        if self._to_pair:
+            self.pair_admitted()
+        out = self._to_recv, self._to_release, self.due_extensions()
+        self._to_recv, self._to_release = {}, []
+        return out
+
+    # -- arrival ------------------------------------------------------------------------------
+
+    def accept(self, request: "Request", params: dict[str, Any]) -> None:
+        """Validate P's handoff once; a refusal is logged, counted and released to P."""
+        if getattr(request, "abort_immediately", False):
+            self._release_rejected(request, params)
+            return
+        check_prompt = self._faults is None or not self._faults.skips_prompt_check(params)
+        decision = handoff.decide_on_decode(
+            params,
+            request.num_prompt_tokens,
+            self.profile,
+            num_groups=len(self.layouts),
+            prompt_fingerprint=(
+                (lambda length, theirs: identity.fingerprint_to_check(request, length, theirs, self.fingerprint_form))
+                if check_prompt
+                else None
+            ),
+        )
+        if isinstance(decision, handoff.Refused):
+            self.recorder.count(f"refused:{decision.kind}")
+            logger.warning(
+                "pd_connector: request %s: refusing the handoff (%s): %s",
+                request.request_id,
+                decision.kind,
+                decision.reason,
+            )
+            target = decision.params.lease if decision.params is not None else release_target(params)
+            if target is not None:
+                self._queue_release(target, f"refused ({decision.kind}): {decision.reason}", request.request_id)
+            return
+        if not check_prompt:
+            logger.warning("pd_connector: FAULT INJECTION: %s skips the prompt fingerprint check", request.request_id)
+        if decision.offset == 0:
+            self.recorder.count("handoff_empty")
+            return
+        lease = decision.params.pd_lease_seconds
+        if lease is not None and lease < self._shortest_p_lease:
+            self._shortest_p_lease = lease
+        if self._faults is not None:
+            shifted = self._faults.shifted(decision, params, request.num_prompt_tokens)
+            if shifted is not decision:
+                logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id,
+                               shifted.offset - decision.offset)
+                decision = shifted
+        self._decisions[request.request_id] = decision
+
+    def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
+        """vLLM's notice that D's serving layer rejected a request before it reached the engine
+        (``notify_kv_transfer_request_rejected``, vllm/v1/engine/async_llm.py: a pre-aborted
+        stand-in with prompt ``[0]`` and the original params). Release P's lease now, counted
+        as what it is, not as a refused offset."""
+        target = release_target(params)
+        self.recorder.count("rejected_before_engine")
+        logger.info(
+            "pd_connector: request %s was rejected before reaching the engine; %s",
+            request.request_id,
+            f"releasing {target.request_id} on P" if target else "no prefill lease to release",
+        )
+        if target is not None:
+            self._queue_release(target, "rejected before reaching the engine")
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def num_tokens_to_load(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        decision = self._decisions.get(request.request_id)
+        if decision is None or decision.offset <= num_computed_tokens:
+            return 0, False
+        return decision.offset - num_computed_tokens, True
+
+    def admit(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is None:
+            return
+        if num_external_tokens <= 0:
+            # A local prefix hit (or the scheduler) covered everything P offered.
+            self._release(request.request_id, decision, "the local prefix cache covered the handoff")
+            return
+        # KVCacheBlocks.blocks holds the request's KVCacheBlock list per group (the manager's
+        # own lists); pairing turns into ids only the blocks it pairs.
+        tables = blocks.blocks
+        if not self._all_groups_transfer:
+            tables = tuple(tables[g] for g in self.group_ids)
+        if self._faults is not None:
+            self._faults.note_admitted(request.request_id, request.kv_transfer_params)
+        self._to_pair.append(Admitted(request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens))
+
+    def pair_admitted(self) -> None:
+        """Pair this step's admitted handoffs and hand them to the worker, in one pass.
+
+        Deferred from ``admit`` to the end of the same ``Scheduler.schedule`` call (vLLM calls
+        ``build_connector_meta`` last), where one pass runs warm (docs/benchmarks.md). Safe
+        because a request waiting for remote KVs keeps the blocks it was just given until the
+        worker reports the load: schedule() preempts only running requests, and
+        request_finished is never called inside schedule().
+        """
+        tails = []
+        tp_pairs: dict[str, int] = {}
+        for admitted in self._to_pair:
+            self._to_recv[admitted.request_id] = self._recv_task(admitted)
+            params = admitted.decision.params
+            recompute = admitted.num_prompt_tokens - admitted.decision.offset
+            tails.append(recompute)
+            pair = f"{params.tp_size}->{self._tp_size}"
+            tp_pairs[pair] = tp_pairs.get(pair, 0) + 1
+            self._log_first_handoff(admitted, pair, recompute)
+        self._to_pair = []
+        self.recorder.count("handoff_accepted", len(tails))
+        for pair, count in tp_pairs.items():
+            self.recorder.count(f"handoff_tp:{pair}", count)
+        self.recorder.observe_all("recompute_tokens", tails)
+
+    def _recv_task(self, admitted: Admitted) -> RecvTask:
+        request_id, decision = admitted.request_id, admitted.decision
+        params = decision.params
+        try:
+            pairs = pairing.pair_block_lists(
+                self.layouts,
+                params.remote_block_ids,
+                admitted.tables,
+                decision.offset,
+                decision.offset - admitted.num_external_tokens,  # D's own (block-aligned) prefix hit
+                block_ids=_vllm_block_ids,
+                # HandoffParams.remote_block_ids are params.BlockId: range-checked when decoded.
+                remote_checked=True,
+            )
+        except pairing.PairingError as exc:
+            # The load is already admitted; the worker reports it failed and vLLM's "recompute"
+            # policy (set by PDConnector) re-prefills the prompt locally.
+            logger.warning("pd_connector: request %s: cannot pair blocks: %s", request_id, exc)
+            self.recorder.count("refused:pairing")
+            pairs = None
+        self._loading[request_id] = params.lease
+        task = RecvTask(
+            lease=params.lease,
+            pairs=pairs,
+            num_tokens=admitted.num_external_tokens,
+            replay_offset=params.replay_offset,
+            remote_block_ids=params.remote_block_ids,
+            fingerprint=params.pd_prompt_fingerprint,
+        )
+        return task if self._faults is None else self._faults.recv_task(request_id, task)
+
+    def _log_first_handoff(self, admitted: Admitted, pair: str, recompute: int) -> None:
+        """One INFO line per prefill engine, on its first handoff; DEBUG after (formatting a
+        record per handoff was this path's largest cost; the figures are in the metrics)."""
+        params = admitted.decision.params
+        first = params.remote_engine_id not in self._peers_seen
+        if not (first or logger.isEnabledFor(logging.DEBUG)):
+            return
+        self._peers_seen.add(params.remote_engine_id)
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "pd_connector: request %s: loading %d token(s) from %s (TP %s), replay_offset=%d, "
+            "recomputing %d token(s)%s",
+            admitted.request_id,
+            admitted.num_external_tokens,
+            params.remote_engine_id,
+            pair,
+            admitted.decision.offset,
+            recompute,
+            " (first handoff from this prefill engine; the next ones are logged at DEBUG)" if first else "",
+        )
+
+    # -- while loading ------------------------------------------------------------------------
+
+    def due_extensions(self) -> list[ExtendTask]:
+        """D's one keep-alive clock: every ``leases.extension_interval`` of the shortest lease a
+        P said it keeps a handoff, every handoff D still depends on, per P: from acceptance
+        until the worker reports the load ended (a stalled READ cannot be cancelled, so it must
+        never outlive P's lease)."""
+        now = time.monotonic()
+        if not (self._decisions or self._loading) or now - self._last_extend < extension_interval(
+            self._shortest_p_lease
+        ):
+            return []
+        self._last_extend = now
+        refs = [d.params.lease for d in self._decisions.values()]
+        refs.extend(self._loading.values())
+        return extend_tasks(refs)
+
+    def loads_ended(self, finished_recving: "Iterable[str]") -> None:
+        """The loads every D rank ended (read, or failed and to be recomputed)."""
+        for request_id in finished_recving:
+            self._loading.pop(request_id, None)
+
+    def finished(self, request: "Request") -> None:
+        """D finished (aborted) before admission: P still holds the blocks for us."""
+        pending = self._decisions.pop(request.request_id, None)
+        if pending is not None:
+            self._release(request.request_id, pending, "decode request finished before its KV was loaded")
+
+    def _release(self, request_id: str, decision: handoff.Accepted, why: str) -> None:
+        logger.info("pd_connector: releasing %s on P: %s", decision.params.remote_request_id, why)
+        self._queue_release(decision.params.lease, why, request_id)
+
+    def _queue_release(self, lease: LeaseRef, why: str, request_id: str = "") -> None:
+        """Tell P that D request ``request_id`` will not read ``lease`` ("": no D request
+        will), with the reason P logs."""
+        self._to_release.append(ReleaseTask(lease, why, request_id))

@@ -1,0 +1,1 @@
+"""Everything that reads vLLM's objects into plain values: a vLLM upgrade touches this folder."""

@@ -1,0 +1,1 @@
+"""P's side: what the prefill instance hands over (scheduler half) and serves (sender)."""
