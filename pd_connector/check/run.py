@@ -117,7 +117,35 @@ def run_check(
     rep = CheckReport(p_url, d_url, prompt_tokens)
     say = progress or logger.info
 
-    # 1. reachable, healthy, same model
+    rep.model = model = _servers_and_model(rep, p_url, d_url, model, timeout, say)
+    if model is None:
+        return rep
+    rep.info.append(f"model {model!r} served by P and D")
+    prompt = make_prompt(prompt_tokens)
+    salt = uuid.uuid4().hex  # fresh prefix-cache namespaces: nothing is served from cache
+    base = {"model": model, "prompt": prompt, "temperature": 0.0, "stream": False}
+    params = _prefill_on_p(rep, p_url, d_url, base, salt, prompt_tokens, timeout, say)
+    gen_body = {**base, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 2,
+                "return_token_ids": True, "return_tokens_as_token_ids": True}
+    handoff, plain = _decode_on_d(rep, d_url, gen_body, params, salt, timeout, say)
+    if rep.d_ms_handoff is not None:
+        rep.info.append(
+            f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_handoff)} with the handoff, "
+            f"{_fmt_ms(rep.d_ms_plain)} computing the prompt itself (a P's first handoff "
+            "includes the side-channel handshake: run check again for a warm number)")
+    elif rep.d_ms_plain is not None:
+        rep.info.append(f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_plain)} computing the "
+                        "prompt itself (no handoff to compare)")
+    if handoff is not None and plain is not None:
+        _compare(rep, handoff, plain)
+    if params is not None and KEY_REPLAY_OFFSET in params and plain is not None:
+        check_dp_engines(rep, p_url, d_url, base, gen_body, salt, plain, timeout, say)
+    return rep
+
+
+def _servers_and_model(rep: CheckReport, p_url: str, d_url: str, model: str | None, timeout: float, say) -> str | None:
+    """Step 1: both servers reachable, healthy and serving one model (returned; None with the
+    problems in ``rep``)."""
     served: dict[str, list[str]] = {}
     for role, url in (("P", p_url), ("D", d_url)):
         say(f"{role}: GET {url}/health")
@@ -146,7 +174,7 @@ def run_check(
             continue
         served[role] = [str(i) for i in ids]
     if len(served) < 2:
-        return rep
+        return None
     if model is not None:
         for role in ("P", "D"):
             if model not in served[role]:
@@ -154,7 +182,7 @@ def run_check(
                     f"{role} does not serve model {model!r} (it serves {', '.join(served[role])}): "
                     f"pass --model with the --served-model-name both servers use")
         if rep.problems:
-            return rep
+            return None
     else:
         common = [m for m in served["P"] if m in served["D"]]
         if not common:
@@ -162,16 +190,14 @@ def run_check(
                 f"P serves {', '.join(served['P'])} but D serves {', '.join(served['D'])}: start "
                 "both with the same model and --served-model-name (a handoff needs the same model "
                 "on both sides)")
-            return rep
+            return None
         model = common[0]
-    rep.model = model
-    rep.info.append(f"model {model!r} served by P and D")
+    return model
 
-    prompt = make_prompt(prompt_tokens)
-    salt = uuid.uuid4().hex  # fresh prefix-cache namespaces: nothing is served from cache
-    base = {"model": model, "prompt": prompt, "temperature": 0.0, "stream": False}
 
-    # 2. prefill on P
+def _prefill_on_p(rep: CheckReport, p_url: str, d_url: str, base: dict, salt: str, prompt_tokens: int,
+                  timeout: float, say) -> dict | None:
+    """Step 2: a prefill on P; the kv_transfer_params it returned, checked (None if unusable)."""
     say(f"P: prefill of {prompt_tokens} tokens")
     p_ans = http_request(p_url + "/v1/completions", {
         **base, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS),
@@ -186,10 +212,12 @@ def run_check(
         params = raw if isinstance(raw, dict) and raw else None
         rep.kv_params = params
         _check_params(rep, params, p_url, d_url, prompt_tokens)
+    return params
 
-    # 3. decode on D, with the handoff and without
-    gen_body = {**base, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 2,
-                "return_token_ids": True, "return_tokens_as_token_ids": True}
+
+def _decode_on_d(rep: CheckReport, d_url: str, gen_body: dict, params: dict | None, salt: str, timeout: float,
+                 say) -> "tuple[Generation | None, Generation | None]":
+    """Step 3: the same decode on D with P's handoff and without it."""
     handoff: Generation | None = None
     if params is not None:
         before = read_events(d_url, timeout)
@@ -220,20 +248,7 @@ def run_check(
         plain = parse_generation(ans.data)
         if plain is None:
             rep.problems.append(f"D's answer is not a completion: {ans.text[:200]}")
-
-    if rep.d_ms_handoff is not None:
-        rep.info.append(
-            f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_handoff)} with the handoff, "
-            f"{_fmt_ms(rep.d_ms_plain)} computing the prompt itself (a P's first handoff "
-            "includes the side-channel handshake: run check again for a warm number)")
-    elif rep.d_ms_plain is not None:
-        rep.info.append(f"D: {MAX_TOKENS} tokens in {_fmt_ms(rep.d_ms_plain)} computing the "
-                        "prompt itself (no handoff to compare)")
-    if handoff is not None and plain is not None:
-        _compare(rep, handoff, plain)
-    if params is not None and KEY_REPLAY_OFFSET in params and plain is not None:
-        check_dp_engines(rep, p_url, d_url, base, gen_body, salt, plain, timeout, say)
-    return rep
+    return handoff, plain
 
 
 def _check_params(rep: CheckReport, params: dict | None, p_url: str, d_url: str, n: int) -> None:

@@ -233,6 +233,23 @@ def decide_on_decode(
     except ProtocolError as exc:
         return Refused(kind=exc.kind, reason=str(exc))
     offset = params.replay_offset
+    refused = _offset_refusal(params, num_prompt_tokens, profile, num_groups)
+    if refused is not None:
+        return refused
+    if offset > 0 and prompt_fingerprint is not None:
+        theirs = params.pd_prompt_fingerprint
+        mismatch = _prompt_mismatch(prompt_fingerprint(offset, theirs), theirs, offset, num_prompt_tokens)
+        if mismatch:
+            return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
+    return Accepted(offset=offset, params=params)
+
+
+def _offset_refusal(
+    params: HandoffParams, num_prompt_tokens: int, profile: RecomputeProfile, num_groups: int | None
+) -> Refused | None:
+    """``decide_on_decode``'s structural and offset checks, in the order their refusals name the
+    cause (groups before the offset: no routing hint fixes a layout difference)."""
+    offset = params.replay_offset
     if offset > 0 and num_groups is not None and len(params.remote_block_ids) != num_groups:
         return Refused(
             kind="group_mismatch",
@@ -274,12 +291,7 @@ def decide_on_decode(
             ),
             params=params,
         )
-    if offset > 0 and prompt_fingerprint is not None:
-        theirs = params.pd_prompt_fingerprint
-        mismatch = _prompt_mismatch(prompt_fingerprint(offset, theirs), theirs, offset, num_prompt_tokens)
-        if mismatch:
-            return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
-    return Accepted(offset=offset, params=params)
+    return None
 
 
 def _prompt_mismatch(mine: str | None, theirs: str, offset: int, num_prompt_tokens: int) -> str:

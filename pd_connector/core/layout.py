@@ -11,8 +11,8 @@ layers is one span of ``layers * page_bytes`` bytes, so a request needs one desc
 A pair of blocks in group g expands to one descriptor per row of g, on both sides; indices are
 computed vectorised (a loop over groups, never over layers or blocks). NIXL 1.5.1 then merges
 neighbours of the index list that are consecutive descriptors of one *dense* row (stride ==
-len), on both sides; nothing else merges (measured with its transfer telemetry: adjacent pages
-of two different rows stay two descriptors). ``count_runs`` models exactly that, so the
+len), on both sides; nothing else merges (adjacent pages of two different rows stay two
+descriptors: pinned against NIXL's own telemetry in tests/nixl/test_worker_threads.py). ``count_runs`` models exactly that, so the
 descriptor count a request reports equals the number of contiguous runs NIXL moves.
 """
 

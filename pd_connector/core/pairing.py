@@ -175,6 +175,7 @@ def pair_blocks(
     return [list(group_pairs) for group_pairs in pair_block_lists(layouts, remote_ids, local_ids, offset, local_hit)]
 
 
+# Long: one loop over the groups inside vLLM's scheduling step, where each Python frame costs.
 def pair_block_lists(
     layouts: tuple[GroupLayout, ...],
     remote_ids: list[list[int]],

@@ -29,8 +29,7 @@ class RecvTask(msgspec.Struct):
     the worker reports the load failed so vLLM recomputes the prompt.
 
     A msgspec Struct, not a dataclass: built once per handoff inside vLLM's scheduling step,
-    where its keyword construction cost 1.2 µs as a slots dataclass and 0.25 µs as a Struct.
-    Never encoded by msgspec (vLLM pickles the metadata), so fields are not validated: the
+    where it is the cheaper to construct (docs/benchmarks.md, "Scheduler-side cost"). Never encoded by msgspec (vLLM pickles the metadata), so fields are not validated: the
     scheduler fills them from already decoded ``HandoffParams``."""
 
     lease: LeaseRef

@@ -115,6 +115,7 @@ class _DecodeNotStarted(Exception):
         self.err = err
 
 
+# Long: one request's story, read top to bottom: parse, pick P, prefill with retries, pick D, decode.
 async def generate(
     request: web.Request, st: ProxyState, client: UpstreamClient
 ) -> tuple[web.StreamResponse, str]:
@@ -184,6 +185,7 @@ async def generate(
                              request_id=request_id, log=log, can_fall_back=False)
 
 
+# Long: the decode exchange and each way it can end (stream or not, D down, client gone), in one place.
 async def _decode(
     request: web.Request, st: ProxyState, client: UpstreamClient, up: Upstream,
     path: str, d_body: dict, headers: dict, *, stream: bool, request_id: str, log: dict,

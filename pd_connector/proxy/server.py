@@ -122,6 +122,7 @@ async def _handle_metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+# Long: the app's wiring: every setting and route declared once, in order.
 def build_app(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],

@@ -51,8 +51,7 @@ class _DelayedProgressBind:
     """Stands in for NIXL's ``nixlBind`` module while ``nixl_agent.__init__`` runs, setting the
     progress thread's poll delay that the Python API hard-codes to 0 (``agent_config.pthrDelay
     = 0`` in nixl/_api.py, NIXL 1.5.1). With 0 the thread spins (sched_yield): a whole core per
-    connected agent on the CPU box; 100 µs took it to ~4% and doubled a loopback READ's GB/s
-    there (scripts/bench_nixl_progress.py)."""
+    connected agent on a CPU host (docs/benchmarks.md, "NIXL progress thread")."""
 
     def __init__(self, bind, delay_us: int):
         self._bind, self._delay_us = bind, delay_us
@@ -297,12 +296,11 @@ class ChunkedRead:
     not free its blocks before every slice landed).
 
     Why: over DRAM without UCX worker threads, UCX copies inside ``transfer()`` (shared-memory
-    cma), so one big READ holds the calling thread -- D's engine thread -- for the whole copy
-    (~100 ms for 256 MiB on a small box). A slice bounds that. With worker threads
+    cma), so one big READ holds the calling thread -- D's engine thread -- for the whole copy.
+    A slice bounds that (docs/benchmarks.md, "Transfer path"). With worker threads
     (``nixl_num_threads``) or over VRAM the post is asynchronous and the plan is one slice
     (``NixlTransport.copies_in_post``). NIXL 1.5.1 agents are not thread-safe in their default
-    sync mode, and its RW mode serialises other calls behind a running ``transfer()``
-    (measured), so posting from a helper thread of ours would not help: every NIXL call stays
+    sync mode, and its RW mode serialises other calls behind a running ``transfer()``, so posting from a helper thread of ours would not help: every NIXL call stays
     on the engine thread, and NIXL's own worker threads do the copying.
     """
 

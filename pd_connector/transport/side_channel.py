@@ -2,8 +2,8 @@
 
 One ROUTER socket on P, served by one daemon thread that never touches NIXL (the handler
 callbacks only read prepared bytes or enqueue ids). D asks through a ``Client``: REQ sockets
-kept open per peer across calls (a new socket per call costs a TCP connect and a ZMTP greeting,
-~0.5 ms on a quiet host and 1-5 ms median on a loaded 2-core one, on every claim), each call
+kept open per peer across calls (a new socket per call would add a TCP connect and a ZMTP
+greeting to every claim), each call
 with a timeout, so a dead P costs D a timeout, never a hang.
 
 A handler that cannot answer yet returns a ``Deferred``: the thread parks the request (ROUTER

@@ -138,3 +138,22 @@ def test_start_many_stops_all_on_failure(stub_python, tmp_path):
         start_many([good, bad], timeout=60)
     assert not good.is_running() and good.group_pids() == []
 
+
+
+@pytest.mark.parametrize(
+    "args, parallel",
+    [
+        ([], False),
+        (["--block-size", "32"], False),
+        (["--tensor-parallel-size", "1"], False),
+        (["--tensor-parallel-size", "2"], True),
+        (["-tp=2"], True),
+        (["--data-parallel-size=2"], True),
+        (["--data-parallel-size", "2", "--tensor-parallel-size", "1"], True),
+    ],
+)
+def test_only_single_worker_servers_run_the_worker_in_the_engine_core(args, parallel, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    in_engine_core = VllmServer("/m", extra_args=args).env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert in_engine_core == (not parallel)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in VllmServer("/m", extra_args=args, worker_process=True).env

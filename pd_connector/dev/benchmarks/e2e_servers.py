@@ -49,6 +49,7 @@ class Deployment:
                 max_model_len=max_model_len,
                 dtype=dtype,
                 log_path=log_dir / f"{system}-{role}.log",
+                worker_process=True,  # timed as deployed: scheduler and worker in two processes
             )
         self.prefill, self.decode = servers["prefill"], servers["decode"]
         self.proxy: ProxyProcess | None = None

@@ -45,6 +45,20 @@ def source_checkout_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
 
 
+def runs_parallel(args: Sequence[str]) -> bool:
+    """Whether vLLM arguments ask for more than one worker (TP or DP above 1): those need vLLM's
+    mp executor, a process per worker."""
+    args = list(args)
+    for flags in (("--tensor-parallel-size", "-tp"), ("--data-parallel-size", "-dp")):
+        for i, arg in enumerate(args):
+            name, _, inline = arg.partition("=")
+            if name in flags:
+                value = inline or (args[i + 1] if i + 1 < len(args) else "1")
+                if value.isdigit() and int(value) > 1:
+                    return True
+    return False
+
+
 class ServerError(RuntimeError):
     """A server died or did not become healthy; the message carries its log tail."""
 
@@ -88,6 +102,7 @@ class VllmServer:
         python: str = sys.executable,
         stop_grace_s: float = 30.0,
         command_prefix: Sequence[str] = (),
+        worker_process: bool | None = None,
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -120,6 +135,12 @@ class VllmServer:
             VLLM_CPU_OMP_THREADS_BIND=omp_threads_bind,
             PYTHONUNBUFFERED="1",  # so the log file is current when we read it on failure
         )
+        if not (runs_parallel(extra_args) if worker_process is None else worker_process):
+            # The worker inside the engine-core process (vLLM CPU forces the mp executor unless
+            # this is 0: platforms/cpu.py check_and_update_config): one spawned process fewer,
+            # about a third of a start and 0.5 GiB. Production's layout (scheduler and worker in
+            # two processes) is what worker_process=True keeps: docs/testing.md.
+            merged["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for key, value in (env or {}).items():
             if value is None:
                 merged.pop(key, None)

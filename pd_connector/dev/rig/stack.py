@@ -123,6 +123,9 @@ class PDStack:
             env={**env, **binds["prefill"][1], **config.prefill_env},
             omp_threads_bind=binds["prefill"][0],
             log_path=self.log_dir / "prefill.log",
+            # The stack's P and D run as in production: the connector's scheduler and worker
+            # sides in two processes (vLLM pickles the metadata between them).
+            worker_process=True,
             **_placed(p_host),
             **common,
         )
@@ -138,6 +141,7 @@ class PDStack:
             env={**env, **binds["decode"][1], **config.decode_env},
             omp_threads_bind=binds["decode"][0],
             log_path=self.log_dir / "decode.log",
+            worker_process=True,
             **_placed(d_host),
             **common,
         )

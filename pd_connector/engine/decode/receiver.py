@@ -50,7 +50,7 @@ logger = logging.getLogger("vllm.pd_connector")
 
 MiB = 1 << 20
 # A post or poll of a READ that holds D's engine thread longer than this is reported
-# (``nixl_call_slow``): a post copies a 32 MiB slice in ~10 ms, a poll takes microseconds.
+# (``nixl_call_slow``): far above a slice's copy or a poll, so only a stall is reported.
 SLOW_NIXL_CALL_S = 1.0
 # Threads making side-channel calls (handshakes, claims, releases, extensions).
 _SIDE_CHANNEL_THREADS = 4
