@@ -1,8 +1,8 @@
 """One tensor-parallel rank's recurrent-state pages built by vLLM itself, for the state shard
 layouts (tests/vllm/test_state_shard_layout.py).
 
-vLLM builds everything: the layer (``MambaMixer``, ``MambaMixer2``, ``ShortConv``, Kimi Linear's
-KDA, MiniMax's linear attention) at the rank's TP size and rank (a stand-in TP group, as
+vLLM builds everything: the layer (``MambaMixer``, ``MambaMixer2``, ``ShortConv``, Qwen3-Next's
+GDN, Kimi Linear's KDA, MiniMax's linear attention) at the rank's TP size and rank (a stand-in TP group, as
 ``get_tensor_model_parallel_world_size`` / ``_rank`` read it), its ``MambaSpec``
 (``get_kv_cache_spec``, padded with ``mamba_page_size_padded``), the placement, the page views
 (``allocate_kv_cache``) and the per-state tensors (``bind_kv_cache``). The connector describes
@@ -141,6 +141,23 @@ def _kda_units(m):
     return [_rows(m.conv1d.weight), _rows(m.A_log)]
 
 
+def _gdn(config, prefix):
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    hf = SimpleNamespace(
+        hidden_size=64, hidden_act="silu", rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    config.model_config = SimpleNamespace(dtype=_MODEL.dtype, hf_text_config=hf, hf_config=hf)  # read at init
+    return QwenGatedDeltaNetAttention(hf, config, prefix=prefix)
+
+
+def _gdn_units(m):
+    _load(m.conv1d.weight, _numbered(2 * m.num_k_heads * m.head_k_dim + m.num_v_heads * m.head_v_dim, 1, m.conv_kernel_size))
+    _load(m.A_log, _numbered(m.num_v_heads))
+    return [_rows(m.conv1d.weight), _rows(m.A_log)]
+
+
 def _linear(config, prefix):
     from vllm.model_executor.layers.mamba.linear.minimax_linear_attn import MiniMaxText01LinearAttention
 
@@ -173,6 +190,7 @@ FAMILIES = {
     "mamba2_g4": Family(_mamba2(4), _mamba2_units),
     "short_conv": Family(_short_conv, _short_conv_units),
     "kda": Family(_kda, _kda_units),
+    "gdn": Family(_gdn, _gdn_units),
     "minimax_linear": Family(_linear, _linear_units),
 }
 

@@ -41,10 +41,11 @@ def test_new_state_layouts_land_every_byte_on_its_channel_and_head(family, p, d,
 
 
 @pytest.mark.parametrize("p, d", PAIRS)
-@pytest.mark.parametrize("family", ["mamba2_g1", "mamba2_g4", "minimax_linear"])
-def test_mamba2_and_linear_attention_from_vllms_own_layers(family, p, d, conv_layout):
-    """Mamba2 with one group (replicated over the TP ranks) and with four, and MiniMax's linear
-    attention, now placed by the layer's class and checked on vLLM's own layers."""
+@pytest.mark.parametrize("family", ["mamba2_g1", "mamba2_g4", "gdn", "minimax_linear"])
+def test_mamba2_gdn_and_linear_attention_from_vllms_own_layers(family, p, d, conv_layout):
+    """Mamba2 with one group (replicated over the TP ranks) and with four, Qwen3-Next's GDN (two
+    key heads, four value heads) and MiniMax's linear attention, placed by the layer's class and
+    checked on vLLM's own layers."""
     check_pair(FAMILIES[family], p, d, BLOCKS)
 
 
@@ -67,7 +68,7 @@ def _elem(family: str, state: int) -> int:
     return torch.empty((), dtype=spec.dtypes[state]).element_size()
 
 
-@pytest.mark.parametrize("family", ["mamba1", "short_conv", "kda", "mamba2_g1"])
+@pytest.mark.parametrize("family", ["mamba1", "short_conv", "kda", "gdn", "mamba2_g1"])
 def test_a_conv_state_read_one_channel_off_is_caught(family, conv_layout):
     """Negative control: the same plan with P's conv state read one channel further (one element
     in SD, one channel's rows in DS) fails the byte check."""
@@ -78,7 +79,7 @@ def test_a_conv_state_read_one_channel_off_is_caught(family, conv_layout):
         check_pair(FAMILIES[family], 1, 2, BLOCKS, _shift("0", lambda r: step))
 
 
-@pytest.mark.parametrize("family, state", [("mamba1", 1), ("kda", 1), ("mamba2_g4", 1), ("minimax_linear", 0)])
+@pytest.mark.parametrize("family, state", [("mamba1", 1), ("kda", 1), ("gdn", 1), ("mamba2_g4", 1), ("minimax_linear", 0)])
 def test_a_state_read_one_head_off_is_caught(family, state):
     """Negative control: the SSM / recurrent state read one head (Mamba1: one channel) further."""
     spec = FAMILIES[family].rank(2, 0, seed=None).spec
