@@ -184,6 +184,58 @@ def head_segments(axis: str, total: int, tp: int, rank: int, head_bytes: int) ->
     return (Segment(axis, first, count, 0, head_bytes),)
 
 
+class ConvPart(NamedTuple):
+    """One run of a conv state's channels, in the rank's channel order: ``total`` global channels
+    of ``axis``, each rank holding its contiguous ``total / TP`` share, or every rank all of them
+    (``replicated``: Mamba2's single group at TP > 1)."""
+
+    axis: str
+    total: int
+    replicated: bool = False
+
+
+class StateLayout(NamedTuple):
+    """A recurrent layer's states as vLLM shards them, in global units: the conv state (state 0,
+    when ``conv`` names its channel runs) by channels, every other state by ``units`` of ``axis``
+    outermost (``(units / TP, ...)``: SSM heads, Mamba1's SSM channels, value heads)."""
+
+    conv: tuple[ConvPart, ...]
+    axis: str
+    units: int
+
+
+def state_segments(
+    layout: StateLayout,
+    state: int,
+    shape: Sequence[int],
+    elem_bytes: int,
+    dim_first: bool,
+    scratch_rows: int,
+    tp: int,
+    rank: int,
+) -> tuple[Segment, ...]:
+    """Segments of state ``state`` of a layer laid out as ``layout``, from this rank's ``shape``
+    of it (vLLM's ``MambaSpec.shapes``, per rank); ``ShardError`` when the shape does not hold
+    exactly this rank's share. Conv states (vLLM's SD ``(rows, channels)`` or DS ``(channels,
+    rows)``) are read without the ``scratch_rows`` that trail an SD state's leading rows."""
+    if layout.conv and state == 0:
+        channels, rows = (shape[0], shape[1]) if dim_first else (shape[1], shape[0])
+        parts = []
+        for part in layout.conv:
+            if part.replicated:
+                parts.append((part.axis, 0, part.total))
+                continue
+            if part.total % tp:
+                raise ShardError(f"{part.axis} channels: {part.total} do not divide over TP {tp}")
+            parts.append((part.axis, rank * (part.total // tp), part.total // tp))
+        if sum(count for _, _, count in parts) != channels or len(shape) != 2:
+            raise ShardError(f"conv state {tuple(shape)} does not hold this rank's channels {parts}")
+        return conv_segments(parts, rows - (0 if dim_first else scratch_rows), dim_first, elem_bytes)
+    if layout.units % tp or not shape or shape[0] != layout.units // tp:
+        raise ShardError(f"state {state} {tuple(shape)}: not this rank's share of {layout.units} {layout.axis}s")
+    return head_segments(layout.axis, layout.units, tp, rank, math.prod(shape[1:]) * elem_bytes)
+
+
 MAMBA2, GDN = "mamba2", "gdn"
 
 
@@ -199,33 +251,28 @@ def recurrent_segments(
     rank: int,
     groups_replicated: bool = False,
 ) -> tuple[Segment, ...]:
-    """Segments of state ``state`` (0: conv, 1: SSM/recurrent) of a Mamba2 or GDN layer, from
-    this rank's shapes (vLLM's ``MambaSpec.shapes``, per rank).
-
-    Conv channels per rank: Mamba2 ``[x | B | C]`` with x = heads x head_dim and B, C one share of
-    the groups each (or all of them when ``groups_replicated``); GDN ``[Q | K | V]`` with
-    V = value heads x head_v_dim and Q, K equal. The SSM/recurrent state is split by heads."""
-    heads = state_shape[0]
-    if state == 1:
-        head_bytes = math.prod(state_shape[1:]) * elem_bytes[1]
-        return head_segments("ssm_head" if kind == MAMBA2 else "value_head", heads * tp, tp, rank, head_bytes)
-    if state != 0:
+    """``state_segments`` of a Mamba2 or GDN layer whose global sizes are read off this rank's
+    shapes (the synthetic ranks of tests and benchmarks): Mamba2 ``[x | B | C]`` with x = heads
+    x head_dim and B, C one share of the groups each (all of them when ``groups_replicated``);
+    GDN ``[Q | K | V]`` with V = value heads x head_v_dim and Q, K equal; heads outermost."""
+    if state not in (0, 1):
         raise ShardError(f"{kind} layers have two states, not {state + 1}")
-    channels, rows = (conv_shape[0], conv_shape[1]) if dim_first else (conv_shape[1], conv_shape[0])
-    if not dim_first:
-        rows -= scratch_rows  # the state is in the leading rows; scratch rows are never copied
+    heads = state_shape[0]
+    channels = conv_shape[0] if dim_first else conv_shape[1]
     inner = heads * state_shape[1]
     if (channels - inner) % 2 or channels <= inner:
         raise ShardError(f"{kind} conv state of {channels} channels does not fit {inner} head channels")
     side = (channels - inner) // 2
     if kind == MAMBA2:
-        first = 0 if groups_replicated else rank * side
-        parts = [("x", rank * inner, inner), ("B", first, side), ("C", first, side)]
+        group = ConvPart("B", side, True) if groups_replicated else ConvPart("B", side * tp)
+        layout = StateLayout((ConvPart("x", inner * tp), group, group._replace(axis="C")), "ssm_head", heads * tp)
     elif kind == GDN:
-        parts = [("q", rank * side, side), ("k", rank * side, side), ("v", rank * inner, inner)]
+        qk = ConvPart("q", side * tp)
+        layout = StateLayout((qk, qk._replace(axis="k"), ConvPart("v", inner * tp)), "value_head", heads * tp)
     else:
         raise ShardError(f"no TP layout known for {kind} layers")
-    return conv_segments(parts, rows, dim_first, elem_bytes[0])
+    shape = conv_shape if state == 0 else state_shape
+    return state_segments(layout, state, shape, elem_bytes[state], dim_first, scratch_rows, tp, rank)
 
 
 # --- pairing a D rank's regions with P ranks' -------------------------------------------------

@@ -25,7 +25,7 @@ from pd_connector.core.protocol import Welcome
 from pd_connector.dev.rig.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.dev.rig.tp_layouts import Model, compat
+from pd_connector.dev.rig.tp_layouts import KDA, MAMBA1, SHORT_CONV, Model, compat
 from pd_connector.engine.prefill.sender import Sender
 
 pytestmark = pytest.mark.nixl
@@ -129,6 +129,18 @@ def test_every_byte_of_every_d_rank_page_comes_from_the_p_rank_that_holds_it(mod
         pytest.skip("vLLM refuses n_groups that neither divide TP nor equal 1")
     freed = run_handoff(model, p, d, free_ports(p), REQUESTS)
     assert all(f == set(REQUESTS) for f in freed), "every P rank frees each request once its readers are done"
+
+
+@pytest.mark.parametrize("p, d", [(1, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize(
+    "model", [Model(MAMBA1, kv_heads=2), Model(SHORT_CONV, kv_heads=2), Model(KDA, kv_heads=1)], ids=["mamba1", "short_conv", "kda"]
+)
+def test_mamba1_short_conv_and_kda_states_land_on_their_d_rank_over_nixl(model, p, d):
+    """Issue #29, 2: the layouts of Jamba's Mamba1, LFM2's short convolution and Kimi Linear's
+    KDA (derived and checked on vLLM's own layers in tests/vllm/test_state_shard_layout.py) over
+    the production Sender and Receiver; fewer pairs than above, the pairing code being the same."""
+    freed = run_handoff(model, p, d, free_ports(p), REQUESTS)
+    assert all(f == set(REQUESTS) for f in freed)
 
 
 @pytest.mark.parametrize("p, d", [(1, 2), (2, 1), (1, 4), (4, 2)])

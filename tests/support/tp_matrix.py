@@ -69,11 +69,13 @@ def make_instances(
     server_args: Sequence[str] = (),
     extra_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
-) -> dict[int, TPInstance]:
-    """Unstarted kv_both instances, one per TP size (side channels on consecutive ports)."""
+    names: Sequence[str] | None = None,
+) -> dict:
+    """Unstarted kv_both instances, one per TP size (side channels on consecutive ports), keyed
+    by their TP size or, where several share one, by ``names``."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    for (bind, bind_env), tp in zip(cpu_binds(list(sizes)), sizes):
+    for (bind, bind_env), tp, name in zip(cpu_binds(list(sizes)), sizes, names or sizes):
         config = kv_transfer_config("kv_both", free_ports(tp), "cpu", **{**TP_EXTRA_CONFIG, **(extra_config or {})})
         server = VllmServer(
             model,
@@ -82,13 +84,13 @@ def make_instances(
             extra_args=[*server_args, *tp_args(tp), "--kv-transfer-config", config],
             env={**source_checkout_env(), **bind_env, **(env or {})},
             omp_threads_bind=bind,
-            log_path=log_dir / f"tp{tp}.log",
+            log_path=log_dir / (f"{name}.log" if names else f"tp{tp}.log"),
         )
-        out[tp] = TPInstance(tp, server)
+        out[name] = TPInstance(tp, server)
     return out
 
 
-def warm_up(instances: dict[int, TPInstance], timeout: float = 600.0) -> None:
+def warm_up(instances: dict, timeout: float = 600.0) -> None:
     """One handoff per ordered pair of instances (each to itself too), outcome unchecked, before
     the tests: the first READ between two instances has stalled for 15-131 s on a 2-core CI box
     (more vLLM workers than cores: docs/operations.md, "Unanswered first calls"), past the
@@ -100,7 +102,7 @@ def warm_up(instances: dict[int, TPInstance], timeout: float = 600.0) -> None:
 
 
 @contextmanager
-def running(instances: dict[int, TPInstance], timeout: float = 900.0):
+def running(instances: dict, timeout: float = 900.0):
     servers = [inst.server for inst in instances.values()]
     try:
         start_many(servers, timeout=timeout)

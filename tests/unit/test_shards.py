@@ -176,6 +176,60 @@ def test_gdn_states_land_once(pair, hk, hv, dk, dv, kernel, scratch, elems, dim_
     check_pair(lambda tp, r: gdn_layer(hk, hv, dk, dv, kernel, scratch, elems, dim_first, tp, r), p, d)
 
 
+def layout_layer(layout, rows, tails, scratch, elems, dim_first, tp, rank):
+    """A layer of any ``StateLayout`` (Mamba1, short conv, KDA: vLLM's rules in
+    engine/from_vllm/recurrent_layouts.py), its per-rank shapes as vLLM's shape functions give."""
+    channels = sum(p.total if p.replicated else p.total // tp for p in layout.conv)
+    conv = (channels, rows + scratch) if dim_first else (rows + scratch, channels)
+    shapes = [conv] + [(layout.units // tp, *tail) for tail in tails]
+    out = []
+    for state, shape in enumerate(shapes):
+        segs = shards.state_segments(layout, state, shape, elems[state], dim_first, scratch, tp, rank)
+        size = 1
+        for x in shape:
+            size *= x
+        out.append((f"s#{state}", segs, size * elems[state], scratch if state == 0 else 0))
+    return out
+
+
+def family_layouts(units, dim):
+    part = shards.ConvPart
+    return {
+        "mamba1": (shards.StateLayout((part("x", units * dim),), "ssm_channel", units * dim), [(3,)]),
+        "short_conv": (shards.StateLayout((part("channel", units * dim),), "channel", units * dim), []),
+        "kda": (shards.StateLayout(tuple(part(a, units * dim) for a in "qkv"), "head", units), [(dim, dim)]),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tp_pairs(),
+    st.sampled_from(["mamba1", "short_conv", "kda"]),
+    st.sampled_from([8, 16]),  # heads (KDA), channel groups (Mamba1, short conv): divide every TP
+    st.integers(1, 3),  # head dim / channels per group
+    st.integers(1, 3),  # conv rows (kernel - 1)
+    st.integers(0, 2),  # scratch rows (short conv, KDA under speculative decoding; Mamba1 has none)
+    st.sampled_from([(2, 4), (2, 2), (4, 4)]),
+    st.booleans(),
+)
+def test_mamba1_short_conv_and_kda_states_land_once(pair, family, units, dim, rows, scratch, elems, dim_first):
+    p, d = pair
+    layout, tails = family_layouts(units, dim)[family]
+    scratch = 0 if family == "mamba1" else scratch
+    check_pair(lambda tp, r: layout_layer(layout, rows, tails, scratch, elems, dim_first, tp, r), p, d)
+
+
+def test_a_state_shape_that_is_not_the_ranks_share_is_refused():
+    """The shape comes from vLLM's spec; one that does not hold exactly this rank's channels or
+    heads (another layer's rule, another TP size) is refused, not read as if it did."""
+    layout, _ = family_layouts(8, 2)["kda"]
+    with pytest.raises(shards.ShardError, match="does not hold this rank's channels"):
+        shards.state_segments(layout, 0, (3, 8 * 2 * 3 // 4 + 1), 2, False, 0, 4, 1)
+    with pytest.raises(shards.ShardError, match="not this rank's share of 8 heads"):
+        shards.state_segments(layout, 1, (3, 2, 2), 4, False, 0, 4, 1)
+    assert shards.state_segments(layout, 1, (2, 2, 2), 4, False, 0, 4, 1)  # control: 8 / 4 heads
+
+
 def test_worked_example_nemotron_n_groups_1_reads_b_and_c_whole():
     """n_groups 1 at TP 2 replicates the group: D at TP 1 takes B and C from one P rank whole,
     x and the SSM heads from both (the case NixlConnector's 3-read gets wrong)."""

@@ -23,7 +23,7 @@ import numpy as np
 from pd_connector.core import shards
 from pd_connector.dev.benchmarks import report
 from pd_connector.dev.benchmarks.transfer_paths import POLL_S
-from pd_connector.dev.rig.tp_layouts import Model
+from pd_connector.dev.rig.tp_layouts import KINDS, Model
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead
 
 DEFAULT_PAIRS = "1x2,2x1,2x2,1x4,4x1,2x4,4x2"
@@ -132,7 +132,7 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pd-connector bench transfer_tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="P x D TP sizes, e.g. 1x2,2x1")
-    ap.add_argument("--kind", choices=[shards.MAMBA2, shards.GDN], default=shards.MAMBA2)
+    ap.add_argument("--kind", choices=KINDS, default=shards.MAMBA2)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--n-groups", type=int, default=1)
     ap.add_argument("--head-bytes", type=int, default=16384, help="bytes of one KV head in one block")

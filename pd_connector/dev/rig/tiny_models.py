@@ -16,6 +16,8 @@ architectures that vLLM CPU 0.32.0 can serve (docs/testing.md, "Tiny models"):
   for ``{"method": "mtp"}`` speculative decoding (speculative_models.py); ``qwen3_next_mtp_tp2``:
   the same with two GDN key heads, so it runs at TP 2.
 - ``eagle_llama``: an EAGLE-1 drafter (one Llama layer) for the 64-wide targets above.
+- ``jamba``, ``falcon_h1``, ``kimi_linear``, ``lfm2``: the other hybrid families
+  (family_models.py).
 
 Weights are saved in **float32**: bf16 is not stable across the P/D split on CPU (aggregated
 prefill of N tokens vs. P prefilling N-1 and D computing the last one accumulate differently), so
@@ -43,9 +45,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pd_connector.dev.rig import family_models
+
 MODEL_KINDS: tuple[str, ...] = (
     "llama", "llama_kv1", "nemotron_h", "nemotron_h_g2", "granite_hybrid", "qwen3_next_mtp", "qwen3_next_mtp_tp2",
-    "eagle_llama", "granite_moe_hybrid",
+    "eagle_llama", "granite_moe_hybrid", "jamba", "falcon_h1", "kimi_linear", "lfm2",
 )
 # Kinds built by speculative_models.py rather than from a transformers class alone.
 _BF16_KINDS = ("qwen3_next_mtp", "qwen3_next_mtp_tp2")
@@ -233,6 +237,11 @@ def _write_model(kind: str, out: Path) -> None:
         "granite_moe_hybrid": GraniteMoeHybridForCausalLM,
     }
     tok = build_tokenizer()
+    if kind in family_models.FAMILY_KINDS:
+        family_models.write(kind, out, common_config(tok), _SEED)
+        tok.save_pretrained(out)
+        (out / _MARKER).write_text(json.dumps(_spec(kind), sort_keys=True))
+        return
     if kind not in classes:
         from pd_connector.dev.rig import speculative_models
 

@@ -20,22 +20,45 @@ from pd_connector.dev.rig import devices
 ATTN_LAYERS = ("attn.0", "attn.1")
 
 
+# The recurrent layer kinds besides core's MAMBA2 and GDN (vLLM's rules: engine/from_vllm/
+# recurrent_layouts.py): Jamba's Mamba1, LFM2's short convolution, Kimi Linear's KDA.
+MAMBA1, SHORT_CONV, KDA = "mamba1", "short_conv", "kda"
+KINDS = (shards.MAMBA2, shards.GDN, MAMBA1, SHORT_CONV, KDA)
+
+
 class Model:
-    """A tiny hybrid: two attention layers of ``kv_heads`` heads and one Mamba2 layer with
-    ``n_groups`` groups, or one GDN layer (``kind``)."""
+    """A tiny hybrid: two attention layers of ``kv_heads`` heads and one recurrent layer of
+    ``kind`` (a Mamba2 one with ``n_groups`` groups)."""
 
     def __init__(self, kind: str, kv_heads: int, n_groups: int = 1, head_bytes: int = 32, scale: int = 1):
+        if kind not in KINDS:
+            raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
         self.kind, self.kv_heads, self.n_groups, self.head_bytes = kind, kv_heads, n_groups, head_bytes
         self.scale = scale  # multiplies every state dimension (benchmark-sized pages)
 
-    def recurrent_shapes(self, tp: int):
-        k = self.scale
+    def layout(self, tp: int) -> tuple[shards.StateLayout, int, list[tuple[int, ...]]]:
+        """(the layer's layout, its conv rows, the per-unit shape of each later state)."""
+        k, part = self.scale, shards.ConvPart
         if self.kind == shards.MAMBA2:
-            h, hd, s, kernel = 8, 4 * k, 4 * k, 4
-            gp = self.n_groups if self.n_groups % tp == 0 else tp
-            return ((kernel - 1, (h * hd + 2 * gp * s) // tp), (h // tp, hd, s))
-        hk, hv, dk, dv, kernel = 4, 8, 4 * k, 2 * k, 4
-        return ((kernel - 1, (2 * hk * dk + hv * dv) // tp), (hv // tp, dv, dk))
+            h, hd, s = 8, 4 * k, 4 * k
+            group = part("B", s, True) if self.n_groups % tp else part("B", self.n_groups * s)
+            return shards.StateLayout((part("x", h * hd), group, group._replace(axis="C")), "ssm_head", h), 3, [(hd, s)]
+        if self.kind == shards.GDN:
+            hk, hv, dk, dv = 4, 8, 4 * k, 2 * k
+            qkv = (part("q", hk * dk), part("k", hk * dk), part("v", hv * dv))
+            return shards.StateLayout(qkv, "value_head", hv), 3, [(dv, dk)]
+        if self.kind == MAMBA1:
+            return shards.StateLayout((part("x", 16 * k),), "ssm_channel", 16 * k), 3, [(4 * k,)]
+        if self.kind == SHORT_CONV:
+            return shards.StateLayout((part("channel", 16 * k),), "channel", 16 * k), 2, []
+        heads, dim = 4, 4 * k  # KDA
+        return shards.StateLayout(tuple(part(a, heads * dim) for a in "qkv"), "head", heads), 3, [(dim, dim)]
+
+    def recurrent_shapes(self, tp: int) -> list[tuple[int, ...]]:
+        """Every state's per-rank shape: the conv state (rows, channels) in vLLM's SD layout."""
+        layout, rows, tails = self.layout(tp)
+        channels = sum(p.total if p.replicated else p.total // tp for p in layout.conv)
+        return [(rows, channels)] + [(layout.units // tp, *tail) for tail in tails]
 
     def rank(self, tp: int, r: int, seed: int | None, num_blocks: int = 12) -> "Rank":
         return Rank(self, tp, r, seed, num_blocks)
@@ -47,9 +70,10 @@ class Rank:
     def __init__(self, model: Model, tp: int, r: int, seed: int | None, num_blocks: int = 12):
         per_rank_heads = max(1, model.kv_heads // tp)
         attn_page = per_rank_heads * model.head_bytes
-        conv, state = model.recurrent_shapes(tp)
-        conv_bytes, state_bytes = int(np.prod(conv)) * 2, int(np.prod(state)) * 2  # bf16-sized
-        mamba_page = conv_bytes + state_bytes + 16  # padding at the page tail
+        layout = model.layout(tp)[0]
+        shapes = model.recurrent_shapes(tp)
+        sizes = [int(np.prod(shape)) * 2 for shape in shapes]  # bf16-sized
+        mamba_page = sum(sizes) + 16  # padding at the page tail
         self.size = 2 * num_blocks * attn_page + num_blocks * mamba_page
         self.buf = devices.zeros(self.size) if seed is None else devices.random_bytes(self.size, seed)
         base = self.buf.data_ptr()
@@ -58,10 +82,12 @@ class Rank:
             LayerRegion(name, 0, base + i * num_blocks * attn_page, attn_page, attn_page, num_blocks, segments=attn)
             for i, name in enumerate(ATTN_LAYERS)
         ]
-        m_base = base + 2 * num_blocks * attn_page
-        for i, (addr, nbytes, rows) in enumerate(((m_base, conv_bytes, conv[0]), (m_base + conv_bytes, state_bytes, 0))):
-            segs = shards.recurrent_segments(model.kind, i, conv, state, (2, 2), False, 0, tp, r, model.n_groups % tp != 0)
+        addr = base + 2 * num_blocks * attn_page
+        for i, (shape, nbytes) in enumerate(zip(shapes, sizes)):
+            segs = shards.state_segments(layout, i, shape, 2, False, 0, tp, r)
+            rows = shape[0] if i == 0 else 0
             regions.append(LayerRegion(f"m#{i}", 1, addr, mamba_page, nbytes, num_blocks, rows=rows, segments=segs))
+            addr += nbytes
         self.regions = regions
         self.transport = devices.transport()
         self.transport.register([(base, self.size, 0)], regions)

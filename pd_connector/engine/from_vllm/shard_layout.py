@@ -10,11 +10,8 @@ An allow-list: a layer is described only when its page is a layout proven here (
   fields (heads, block size, head sizes, dtype), never taken from the page size.
 - pages every rank holds whole (``AttentionSpec.max_tp_shards == 1``: MLA's latent; a
   ``MambaSpec`` with ``tp_replicated``): one replicated unit, read from one P rank.
-- Mamba2 conv state: channels ``[x | B | C]``, x split by heads, B and C by groups, or the one
-  group replicated on every rank when TP does not divide ``n_groups`` (``MambaMixer2``);
-  SSM state (H, P, S) by heads.
-- GDN conv state: channels ``[Q | K | V]``, each split evenly; recurrent state (Hv, dv, dk) by
-  value heads (``QwenGatedDeltaNetAttention``, ``gated_delta_net_state_shape``).
+- recurrent layers (Mamba1, Mamba2, short convolutions, GDN, KDA, MiniMax linear attention): by
+  the layer's class, conv channels and heads as that class shards them (``recurrent_layouts``).
 Anything else (head slots that are not heads, packed content, other layouts, spec classes not
 named here) gets no segments and a reason, so only a peer of the same TP size can read it.
 """
@@ -29,6 +26,7 @@ import msgspec
 
 from pd_connector.core import shards
 from pd_connector.core.protocol import LayerRegion, Segment
+from pd_connector.engine.from_vllm import recurrent_layouts
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -152,35 +150,19 @@ def _layer_index(layer: str) -> int | None:
 
 
 def _recurrent(vllm_config, spec, layer, state, region, rank, tp) -> tuple[Segment, ...]:
-    mamba_type = getattr(getattr(spec, "mamba_type", None), "name", "")
-    if mamba_type not in ("MAMBA2", "GDN_ATTN") or len(spec.shapes) != 2:
-        raise shards.ShardError(f"no TP layout known for {mamba_type or 'this'} state ({len(spec.shapes)} states)")
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
-    kind_of = {"MAMBA2": shards.MAMBA2, "GDN_ATTN": shards.GDN}[mamba_type]
-    return shards.recurrent_segments(
-        kind_of,
-        int(state),
-        spec.shapes[0],
-        spec.shapes[1],
-        [torch.empty((), dtype=d).element_size() for d in spec.dtypes],
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    layout = recurrent_layouts.state_layout(context.get(layer), spec, tp)
+    index = int(state)
+    return shards.state_segments(
+        layout,
+        index,
+        spec.shapes[index],
+        torch.empty((), dtype=spec.dtypes[index]).element_size(),
         dim_first=str(get_conv_state_layout()).upper().endswith("DS"),
         scratch_rows=region.scratch_rows,
         tp=tp,
         rank=rank,
-        groups_replicated=kind_of == shards.MAMBA2 and _mamba2_groups_replicated(vllm_config, layer, tp),
     )
-
-
-def _mamba2_groups_replicated(vllm_config, layer: str, tp: int) -> bool:
-    """Whether every rank holds all of B and C: vLLM replicates the single group when TP does
-    not divide ``n_groups`` (MambaMixer2 then builds conv1d as a plain ColumnParallelLinear
-    instead of the MergedColumnParallelLinear that shards the groups)."""
-    if tp == 1:
-        return False
-    module = vllm_config.compilation_config.static_forward_context.get(layer)
-    conv = getattr(module, "conv1d", None)
-    if conv is None:
-        raise shards.ShardError(f"{layer}: no Mamba2 module to read its group sharding from")
-    return type(conv).__name__ != "MergedColumnParallelLinear"
