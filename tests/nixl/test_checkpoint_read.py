@@ -53,6 +53,12 @@ def _load(p, d, port: int, claimed: list[CheckpointBlocks]) -> tuple[set[str], d
             sender.blocks_to_free(p.transport.take_notifications())
             assert time.monotonic() < deadline
             time.sleep(0.002)
+        # Until P ended the lease (D's READ notification, or the release after a refused claim):
+        # a release still in flight at close would reach a later test's side channel on this port.
+        while sender.held():
+            sender.blocks_to_free(p.transport.take_notifications())
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
         return finished, failed
     finally:
         receiver.close()
