@@ -191,7 +191,8 @@ def test_head_slots_that_are_not_heads_refuse_the_pair_at_the_handshake_naming_l
         return dataclasses.replace(spec, num_head_slots=2 * heads, state_content_bytes=spec.head_size * 2)
 
     model = Layers(2, nvfp4, k_then_v_slots=True, nixl=True)
-    with pytest.raises(AssertionError, match="D rank 0 failed"):
+    # Both D ranks refuse; which one reports first depends on when each handshake lands.
+    with pytest.raises(AssertionError, match=r"D rank [01] failed"):
         run_handoff(model, 1, 2, free_ports(1), {"r1": {0: REQUESTS["r1"][0]}})
     assert re.search(f"tensor-parallel layouts cannot be paired: {re.escape(LAYERS[0])}: .*num_head_slots 2 for 1 KV heads", caplog.text)
 
