@@ -69,11 +69,26 @@ def test_bench_transfer_per_descriptor_section_reports_nixl_and_the_kernel_on_th
 def test_bench_transfer_tp_reports_each_d_rank_against_raw_nixl(tmp_path, capsys):
     from pd_connector.dev.benchmarks import transfer_tp
 
-    argv = ["--pairs", "1x2,2x1", "--blocks", "8", "--reps", "1", "--scale", "1", "--head-bytes", "512",
-            "--out", str(tmp_path)]
+    small = ["--blocks", "8", "--reps", "1", "--scale", "1", "--head-bytes", "512", "--out", str(tmp_path)]
+    argv = ["--pairs", "1x2,2x1", "--kinds", "mamba2", "--attention", "gqa", *small]
     assert transfer_tp.main(argv) == 0
     rows = json.loads((tmp_path / "transfer_tp.json").read_text())["rows"]
     # P TP 1 -> D TP 2: each D rank reads from the one P rank; P 2 -> D 1: D reads from both.
     assert [(r["pair"], r["d_rank"], r["sources"]) for r in rows] == [("1x2", 0, "0"), ("1x2", 1, "0"), ("2x1", 0, "0,1")]
     assert all(r["MiB"] > 0 and r["connector_ms"] > 0 for r in rows)
     assert "c/raw" in capsys.readouterr().out
+
+
+def test_bench_transfer_tp_runs_every_layout_vllm_shards(tmp_path):
+    from pd_connector.dev.benchmarks import transfer_tp
+    from pd_connector.dev.rig.tp_layouts import KINDS
+
+    argv = ["--pairs", "2x1", "--blocks", "4", "--reps", "1", "--scale", "1", "--head-bytes", "512", "--out", str(tmp_path)]
+    assert transfer_tp.main(argv) == 0
+    rows = json.loads((tmp_path / "transfer_tp.json").read_text())["rows"]
+    assert [r["layers"] for r in rows] == [f"{a}+{k}" for a in ("gqa", "mla") for k in KINDS]
+    # D TP 1 reads the recurrent state from both P ranks; MLA's latent only from the first.
+    assert all(r["sources"] == "0,1" and min(int(b) for b in r["bytes"].split("/")) > 0 for r in rows)
+    mla = [r for r in rows if r["layers"].startswith("mla")]
+    gqa = [r for r in rows if r["layers"].startswith("gqa")]
+    assert all(int(m["bytes"].split("/")[1]) < int(g["bytes"].split("/")[1]) for m, g in zip(mla, gqa))

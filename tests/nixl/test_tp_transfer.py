@@ -133,12 +133,15 @@ def test_every_byte_of_every_d_rank_page_comes_from_the_p_rank_that_holds_it(mod
 
 @pytest.mark.parametrize("p, d", [(1, 2), (2, 1), (4, 2)])
 @pytest.mark.parametrize(
-    "model", [Model(MAMBA1, kv_heads=2), Model(SHORT_CONV, kv_heads=2), Model(KDA, kv_heads=1)], ids=["mamba1", "short_conv", "kda"]
+    "model",
+    [Model(MAMBA1, kv_heads=2), Model(SHORT_CONV, kv_heads=2), Model(KDA, kv_heads=1), Model(KDA, kv_heads=1, mla=True)],
+    ids=["mamba1", "short_conv", "kda", "kda_with_mla"],
 )
 def test_mamba1_short_conv_and_kda_states_land_on_their_d_rank_over_nixl(model, p, d):
     """Issue #29, 2: the layouts of Jamba's Mamba1, LFM2's short convolution and Kimi Linear's
     KDA (derived and checked on vLLM's own layers in tests/vllm/test_state_shard_layout.py) over
-    the production Sender and Receiver; fewer pairs than above, the pairing code being the same."""
+    the production Sender and Receiver; fewer pairs than above, the pairing code being the same.
+    ``kda_with_mla``: Kimi Linear's pair, KDA next to MLA's replicated latent in one handoff."""
     freed = run_handoff(model, p, d, free_ports(p), REQUESTS)
     assert all(f == set(REQUESTS) for f in freed)
 

@@ -2,13 +2,15 @@
 request, and how long the connector's READs take against raw NIXL moving the same bytes.
 
 In one process, with real NIXL agents (UCX over DRAM): P ranks and D ranks of a synthetic hybrid
-(two attention layers, one Mamba2 or GDN layer, laid out as vLLM shards them:
+(two attention layers, GQA heads or MLA's replicated latent, and one recurrent layer of each
+kind vLLM shards: Mamba2, GDN, Mamba1, short convolution, KDA; laid out as vLLM shards them:
 ``dev/rig/tp_layouts.py``). Per (P TP, D TP) and D rank: descriptors (NIXL's merged runs)
 and bytes per source rank, the connector's READs (``NixlTransport.read_plan`` +
 ``ChunkedRead``, one per source rank, posted together and polled to DONE) and raw NIXL (one
 descriptor per source rank carrying the same bytes), and their ratio. Figures, not assertions.
 
-    pd-connector bench transfer_tp [--pairs 1x2,2x1,...] [--blocks N] [--reps N] [--scale K]
+    pd-connector bench transfer_tp [--pairs 1x2,2x1,...] [--kinds mamba2 gdn ...]
+        [--attention gqa mla] [--blocks N] [--reps N] [--scale K]
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
             c, w = statistics.median(conn_s), statistics.median(raw_s)
             rows.append(
                 {
+                    "layers": f"{'mla' if model.mla else 'gqa'}+{model.kind}",
                     "pair": f"{p}x{d}",
                     "d_rank": j,
                     "sources": ",".join(str(r) for r in plans_of),
@@ -132,7 +135,9 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pd-connector bench transfer_tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="P x D TP sizes, e.g. 1x2,2x1")
-    ap.add_argument("--kind", choices=KINDS, default=shards.MAMBA2)
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="recurrent layer kinds")
+    ap.add_argument("--attention", nargs="+", choices=("gqa", "mla"), default=["gqa", "mla"],
+                    help="attention layers: KV heads sharded by TP, or MLA's latent on every rank")
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--n-groups", type=int, default=1)
     ap.add_argument("--head-bytes", type=int, default=16384, help="bytes of one KV head in one block")
@@ -141,12 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=report.DEFAULT_OUT)
     args = ap.parse_args(argv)
-    model = Model(args.kind, args.kv_heads, args.n_groups, args.head_bytes, args.scale)
     rng = np.random.default_rng(0)
     rows = []
-    for p, d in parse_pairs(args.pairs):
-        rows += bench_pair(model, p, d, args.blocks, args.reps, rng)
-    report.print_table(rows, list(rows[0]) if rows else [], title=f"{args.kind}, {args.blocks} blocks, median of {args.reps}")
+    for attention in args.attention:
+        for kind in args.kinds:
+            model = Model(kind, args.kv_heads, args.n_groups, args.head_bytes, args.scale, mla=attention == "mla")
+            for p, d in parse_pairs(args.pairs):
+                rows += bench_pair(model, p, d, args.blocks, args.reps, rng)
+    report.print_table(rows, list(rows[0]) if rows else [], title=f"{args.blocks} blocks, median of {args.reps}")
     print("c/raw: raw NIXL time over the connector's (1.0 = as fast as one descriptor per source rank)")
     report.write(args.out, "transfer_tp", {"args": vars(args), "rows": rows})
     return 0

@@ -28,13 +28,17 @@ KINDS = (shards.MAMBA2, shards.GDN, MAMBA1, SHORT_CONV, KDA)
 
 class Model:
     """A tiny hybrid: two attention layers of ``kv_heads`` heads and one recurrent layer of
-    ``kind`` (a Mamba2 one with ``n_groups`` groups)."""
+    ``kind`` (a Mamba2 one with ``n_groups`` groups). ``mla``: the attention layers are MLA's
+    (Kimi Linear): one latent of ``head_bytes`` per block, every rank holding it whole."""
 
-    def __init__(self, kind: str, kv_heads: int, n_groups: int = 1, head_bytes: int = 32, scale: int = 1):
+    def __init__(
+        self, kind: str, kv_heads: int, n_groups: int = 1, head_bytes: int = 32, scale: int = 1, mla: bool = False
+    ):
         if kind not in KINDS:
             raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
         self.kind, self.kv_heads, self.n_groups, self.head_bytes = kind, kv_heads, n_groups, head_bytes
         self.scale = scale  # multiplies every state dimension (benchmark-sized pages)
+        self.mla = mla
 
     def layout(self, tp: int) -> tuple[shards.StateLayout, int, list[tuple[int, ...]]]:
         """(the layer's layout, its conv rows, the per-unit shape of each later state)."""
@@ -68,8 +72,12 @@ class Rank:
     """One TP rank's allocation and page map; P ranks are filled with the global pattern."""
 
     def __init__(self, model: Model, tp: int, r: int, seed: int | None, num_blocks: int = 12):
-        per_rank_heads = max(1, model.kv_heads // tp)
-        attn_page = per_rank_heads * model.head_bytes
+        if model.mla:
+            attn_page = model.head_bytes
+            attn = shards.replicated_segments(attn_page)
+        else:
+            attn_page = max(1, model.kv_heads // tp) * model.head_bytes
+            attn = shards.attention_segments(model.kv_heads, tp, r, model.head_bytes)
         layout = model.layout(tp)[0]
         shapes = model.recurrent_shapes(tp)
         sizes = [int(np.prod(shape)) * 2 for shape in shapes]  # bf16-sized
@@ -77,7 +85,6 @@ class Rank:
         self.size = 2 * num_blocks * attn_page + num_blocks * mamba_page
         self.buf = devices.zeros(self.size) if seed is None else devices.random_bytes(self.size, seed)
         base = self.buf.data_ptr()
-        attn = shards.attention_segments(model.kv_heads, tp, r, model.head_bytes)
         regions = [
             LayerRegion(name, 0, base + i * num_blocks * attn_page, attn_page, attn_page, num_blocks, segments=attn)
             for i, name in enumerate(ATTN_LAYERS)
