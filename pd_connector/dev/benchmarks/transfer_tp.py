@@ -122,6 +122,9 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
                     "bytes": "/".join(str(plan.nbytes) for plan in plans_of.values()),
                     "MiB": round(nbytes / 2**20, 2),
                     "connector_ms": round(c * 1e3, 2),
+                    # The fastest rep too: on DRAM some posts pay a few ms inside UCX's copy
+                    # (docs/benchmarks.md, "Across tensor-parallel sizes").
+                    "connector_min_ms": round(min(conn_s) * 1e3, 2),
                     "raw_ms": round(w * 1e3, 2),
                     "c/raw": round(w / c, 2) if c else None,
                 }
