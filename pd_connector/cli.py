@@ -16,6 +16,7 @@ from typing import Sequence
 # ``pd-connector bench NAME`` runs ``pd_connector.dev.benchmarks.NAME.main(argv) -> int``.
 BENCHMARKS = {
     "transfer": "KV transfer: the connector's READ path vs raw NIXL vs memcpy (needs NIXL)",
+    "transfer_blocks": "KV transfer across attention block sizes: descriptors and time per P:D block ratio vs raw NIXL (needs NIXL)",
     "transfer_tp": "KV transfer across tensor-parallel sizes: per D rank, descriptors and bytes per P rank vs raw NIXL (needs NIXL)",
     "scheduler": "µs per request in pd_connector's scheduler hooks vs vLLM's own (in process)",
     "e2e": "pd_connector vs vLLM's NixlConnector, each behind the proxy, on real vLLM servers (starts servers)",

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import msgspec
 
 from pd_connector.core.params import (
+    KEY_BLOCK_SIZES,
     KEY_MIN_RECOMPUTE,
     MAX_DECODE_REQUESTS,
     HandoffParams,
@@ -260,6 +261,13 @@ def _offset_refusal(
                 "KV-cache groups (different cache layouts, e.g. a drafter with its own KV on one "
                 "side only)"
             ),
+            params=params,
+        )
+    sizes = params.pd_block_sizes
+    if offset > 0 and num_groups is not None and sizes is not None and len(sizes) != num_groups:
+        return Refused(
+            kind="group_mismatch",
+            reason=f"P sent {len(sizes)} block sizes ({KEY_BLOCK_SIZES}), this instance has {num_groups} KV-cache groups",
             params=params,
         )
     if offset >= num_prompt_tokens:

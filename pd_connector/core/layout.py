@@ -51,6 +51,11 @@ def check_matching(local: Sequence[LayerRegion], remote: Sequence[LayerRegion], 
     if len(local) != len(remote):
         raise LayoutError(f"layer count differs: local {len(local)}, remote {len(remote)}")
     for a, b in zip(local, remote):
+        if a.token_layout != b.token_layout:
+            raise LayoutError(
+                f"{a.name}: tokens laid out as {a.token_layout!r} here, {b.token_layout!r} on the peer "
+                "(another attention backend or CPU ISA)"
+            )
         if (a.name, a.group) != (b.name, b.group) or (sizes and a.page_bytes != b.page_bytes):
             raise LayoutError(
                 f"layer mismatch: local ({a.name}, group {a.group}, {a.page_bytes} B/page) vs "
@@ -235,7 +240,7 @@ def descriptor_indices(
     """
     local_parts, remote_parts = [], []
     for group, group_pairs in enumerate(pairs):
-        if not group_pairs:
+        if len(group_pairs) == 0:  # lists, BlockPairs or (n, 2) arrays (block_phases.route_pairs)
             continue
         regions = regions_of_group.get(group)
         if regions is None:

@@ -10,6 +10,9 @@ Invariants (property-tested in tests/unit/test_pairing.py):
   D's block for the same tokens, for the blocks D did not already hit in its own prefix cache.
 - Each Mamba group ships exactly one slot, the state after ``offset`` tokens, into the slot D
   resumes from. Trims are written as forward slices: ``lst[-n:]`` is the whole list for n = 0.
+- Attention groups whose block sizes differ between P and D (one an integral multiple of the
+  other) pair *sub-blocks* of the smaller size: each pair names the *phase* (which sub-block of
+  the larger side's block) next to the two block ids (``BlockPairs.phases``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,18 @@ class PairingError(ValueError):
     """The block tables cannot carry this handoff (a bug or tampered input, never silent)."""
 
 
+def block_ratio(remote_block_size: int, local_block_size: int) -> int:
+    """How many of the smaller side's blocks one of the larger side's holds (1: equal sizes);
+    ``PairingError`` when neither size divides the other (no sub-block is whole on both)."""
+    small, large = sorted((remote_block_size, local_block_size))
+    if small <= 0 or large % small:
+        raise PairingError(
+            f"block sizes {remote_block_size} (prefill) and {local_block_size} (decode): "
+            "not an integral ratio"
+        )
+    return large // small
+
+
 class GroupLayout(msgspec.Struct, frozen=True):
     kind: str
     block_size: int
@@ -44,6 +59,12 @@ class GroupLayout(msgspec.Struct, frozen=True):
             raise ValueError(f"unknown group kind {self.kind!r}; expected one of {GROUP_KINDS}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+def wire_block_sizes(layouts: Sequence[GroupLayout]) -> list[int]:
+    """Block sizes as the params and the handshake carry them: 0 for a Mamba group, whose one
+    state per block does not depend on it."""
+    return [0 if layout.kind == MAMBA else layout.block_size for layout in layouts]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -123,15 +144,19 @@ class BlockPairs:
     (``pd-connector bench scheduler``). It reads as the sequence of pairs (``len``,
     iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
     ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
+
+    ``phases`` (unequal block sizes only, else None): per pair, which sub-block of the larger
+    side's block the pair moves (``block_ratio`` of them per block, phase 0 first).
     """
 
-    __slots__ = ("remote", "local")
+    __slots__ = ("remote", "local", "phases")
 
-    def __init__(self, remote: list[int], local: list[int]):
-        if len(remote) != len(local):
+    def __init__(self, remote: list[int], local: list[int], phases: list[int] | None = None):
+        if len(remote) != len(local) or (phases is not None and len(phases) != len(local)):
             raise PairingError(f"{len(remote)} P blocks for {len(local)} D blocks")
         self.remote = remote
         self.local = local
+        self.phases = phases
 
     def __len__(self) -> int:
         return len(self.local)
@@ -144,7 +169,9 @@ class BlockPairs:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockPairs):
-            return self.remote == other.remote and self.local == other.local
+            return (self.remote, self.local, self.phases) == (other.remote, other.local, other.phases)
+        if self.phases is not None:
+            return NotImplemented
         try:
             return list(self) == list(other)  # type: ignore[call-overload]
         except TypeError:
@@ -158,10 +185,11 @@ class BlockPairs:
         return np.array([self.remote, self.local], dtype=dtype).T.reshape(len(self), 2)
 
     def __reduce__(self):
-        return BlockPairs, (self.remote, self.local)
+        return BlockPairs, (self.remote, self.local, self.phases)
 
     def __repr__(self) -> str:
-        return f"BlockPairs({list(self)!r})"
+        phases = "" if self.phases is None else f", phases={self.phases!r}"
+        return f"BlockPairs({list(self)!r}{phases})"
 
 
 def pair_blocks(
@@ -185,6 +213,7 @@ def pair_block_lists(
     *,
     block_ids: Callable[[Sequence[Any]], list[int]] = list,
     remote_checked: bool = False,
+    remote_block_sizes: Sequence[int] | None = None,
 ) -> list[BlockPairs]:
     """D side: ``(P block, D block)`` pairs per group for a load of tokens [local_hit, offset).
 
@@ -208,7 +237,12 @@ def pair_block_lists(
     Attention-type groups pair ``(remote[pos - base], local[pos])`` for ``pos`` in
     ``[first, n)``, as two slices (P's list itself when all of it is paired: nobody mutates a
     handoff's block lists).
+
+    ``remote_block_sizes``: P's block size per group (``pd_block_sizes``; None: D's own). An
+    attention group whose size differs pairs sub-blocks (``sub_block_pairs``).
     """
+    if remote_block_sizes is not None and len(remote_block_sizes) != len(layouts):
+        raise PairingError(f"{len(remote_block_sizes)} prefill block sizes for {len(layouts)} groups")
     if len(layouts) != len(remote_ids) or len(layouts) != len(local_tables):
         raise PairingError(
             f"group count mismatch: {len(layouts)} local groups, {len(remote_ids)} remote "
@@ -229,6 +263,11 @@ def pair_block_lists(
             pairs.append(BlockPairs([remote[0]], [slot]))
             continue
         block_size = layout.block_size
+        if remote_block_sizes is not None and remote_block_sizes[group] != block_size:
+            pairs.append(
+                sub_block_pairs(group, layout, remote_block_sizes[group], remote, block_ids(local), offset, local_hit)
+            )
+            continue
         n = cdiv(offset, block_size)
         if len(local) < n:
             raise PairingError(f"group {group}: D allocated {len(local)} blocks for {offset} tokens")
@@ -245,3 +284,43 @@ def pair_block_lists(
             raise PairingError(f"group {group}: D's block table has a null at {pos}: {block_ids(local)}")
         pairs.append(BlockPairs(remote if first == base else remote[first - base :], targets))
     return pairs
+
+
+def sub_block_pairs(
+    group: int,
+    layout: GroupLayout,
+    remote_block_size: int,
+    remote: Sequence[int],
+    local: Sequence[int],
+    offset: int,
+    local_hit: int,
+) -> BlockPairs:
+    """One attention group's pairs when P's block size differs from D's (``layout``'s): per
+    sub-block of the smaller size s holding tokens [u*s, (u+1)*s), P's block and D's block
+    holding them, and the sub-block's phase in the larger one. The same tokens as equal sizes
+    pair: from D's own hit (or the window's first token) up to the one holding token
+    ``offset - 1``, P's list starting at its own window's first block."""
+    if layout.kind not in (ATTENTION, SLIDING_WINDOW):
+        raise PairingError(f"group {group}: {layout.kind} groups have no token blocks to re-cut")
+    ratio = block_ratio(remote_block_size, layout.block_size)
+    small = min(remote_block_size, layout.block_size)
+    per_remote, per_local = remote_block_size // small, layout.block_size // small
+    first_token = max(0, offset - layout.sliding_window + 1) if layout.kind == SLIDING_WINDOW else 0
+    base = first_token // remote_block_size if layout.kind == SLIDING_WINDOW else 0
+    if len(remote) != cdiv(offset, remote_block_size) - base:
+        raise PairingError(
+            f"group {group}: P sent {len(remote)} blocks of {remote_block_size} tokens, offset "
+            f"{offset} needs {cdiv(offset, remote_block_size) - base}"
+        )
+    if min(remote, default=1) <= NULL_BLOCK:
+        raise PairingError(f"group {group}: P sent a null or negative block id: {list(remote)}")
+    if len(local) < cdiv(offset, layout.block_size):
+        raise PairingError(f"group {group}: D allocated {len(local)} blocks for {offset} tokens")
+    units = range(max(local_hit, first_token) // small, cdiv(offset, small))
+    targets = [local[u // per_local] for u in units]
+    if NULL_BLOCK in targets:
+        pos = units[targets.index(NULL_BLOCK)] // per_local
+        raise PairingError(f"group {group}: D's block table has a null at {pos}: {list(local)}")
+    sources = [remote[u // per_remote - base] for u in units]
+    phases = [u % ratio for u in units]
+    return BlockPairs(sources, targets, phases)

@@ -39,6 +39,11 @@ KEY_LEASE_SECONDS = "pd_lease_seconds"
 # a D that cannot place them refuses them alone, never the handoff:
 # {"version": CHECKPOINTS_VERSION, "states": [{"position": p, "block_ids": [[...], ...]}]}.
 KEY_CHECKPOINTS = "pd_checkpoints"
+# P -> D: P's block size per transfer group (0 for a Mamba group): D pairs P's blocks by the
+# tokens they hold (core/pairing.py sub_block_pairs) and checks them against P's handshake.
+KEY_BLOCK_SIZES = "pd_block_sizes"
+# Largest block size a peer may announce (vLLM's hybrid alignment reaches a few thousand).
+MAX_BLOCK_SIZE = 1 << 20
 CHECKPOINTS_VERSION = 1
 # Most checkpoints one handoff may carry (vLLM keeps at most two per prompt; bounds the claim).
 MAX_CHECKPOINTS = 16
@@ -95,6 +100,9 @@ class HandoffParams(msgspec.Struct, frozen=True):
     pd_prompt_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # How long P keeps the blocks unless claimed or extended (None: a P that does not say).
     pd_lease_seconds: Annotated[float, msgspec.Meta(gt=0, le=1e7)] | None = None
+    # P's block size per transfer group, 0 for Mamba groups (None: a P that does not say; D
+    # then pairs with its own sizes, which the handshake confirms or refuses).
+    pd_block_sizes: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]] | None = None
 
     @property
     def lease(self) -> LeaseRef:
@@ -115,11 +123,13 @@ def encode_handoff_params(
     fingerprint: str = "",
     lease_seconds: float | None = None,
     checkpoints: list[CheckpointBlocks] | None = None,
+    block_sizes: list[int] | None = None,
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
     kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
     work unchanged, plus ``replay_offset``, the protocol version, the prompt fingerprint,
-    P's initial lease length and, when there are any, the prompt checkpoints below the offset."""
+    P's initial lease length, its block sizes and, when there are any, the prompt checkpoints
+    below the offset."""
     params = {
         "do_remote_prefill": offset > 0,
         "do_remote_decode": False,
@@ -139,6 +149,8 @@ def encode_handoff_params(
         KEY_PROMPT_FINGERPRINT: fingerprint,
         KEY_LEASE_SECONDS: lease_seconds,
     }
+    if block_sizes is not None:
+        params[KEY_BLOCK_SIZES] = block_sizes
     if checkpoints:
         params[KEY_CHECKPOINTS] = {
             "version": CHECKPOINTS_VERSION,

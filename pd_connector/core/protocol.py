@@ -28,7 +28,8 @@ import msgspec
 #      Claim.fingerprint (was prompt_digest).
 #   6: prompt checkpoints below the offset: pd_checkpoints in the params (their own version,
 #      CHECKPOINTS_VERSION in params.py), the ones D reads in Claim.checkpoints.
-PROTOCOL_VERSION = 6
+#   7: attention blocks of different sizes: pd_block_sizes in the params, LayerRegion.token_layout.
+PROTOCOL_VERSION = 7
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024
@@ -94,6 +95,10 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     segments: tuple[Segment, ...] = ()
     # Why ``segments`` is empty (named when a peer of another TP size is refused).
     reason: str = ""
+    # Attention: where a token's bytes sit inside a KV head's run, as the layer's backend (and
+    # CPU ISA) writes them (core/block_phases.py token_parts; "": no backend known). P and D
+    # must name the same; only a layout token_parts knows is cut for another block size.
+    token_layout: str = ""
 
 
 class GroupDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -150,13 +155,25 @@ def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
                 diffs.append(f"number of KV-cache groups: local {len(a)}, remote {len(b)}")
                 continue
             for i, (ga, gb) in enumerate(zip(a, b)):
+                # Attention blocks of sizes one of which divides the other are re-cut into
+                # sub-blocks (core/block_phases.py); their pages differ in size with them.
+                recut = ga.block_size != gb.block_size and recuttable_block_sizes(ga, gb)
                 for sub in GroupDesc.__struct_fields__:
                     va, vb = getattr(ga, sub), getattr(gb, sub)
-                    if va != vb and (same_tp or sub != "page_bytes"):
-                        diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}")
+                    if va == vb or (sub == "page_bytes" and (recut or not same_tp)) or (sub == "block_size" and recut):
+                        continue
+                    why = " (not an integral ratio)" if sub == "block_size" and ga.kind == gb.kind else ""
+                    diffs.append(f"group {i} {sub}: local {va!r}, remote {vb!r}{why}")
         elif a != b:
             diffs.append(f"{field}: local {a!r}, remote {b!r}")
     return diffs
+
+
+def recuttable_block_sizes(a: GroupDesc, b: GroupDesc) -> bool:
+    """Two token-block groups of one kind whose block sizes are positive and one divides the
+    other: D's blocks can be read from P's sub-block by sub-block."""
+    small, large = sorted((a.block_size, b.block_size))
+    return a.kind == b.kind and a.kind in ("attention", "sliding_window") and small > 0 and large % small == 0
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):

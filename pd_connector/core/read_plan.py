@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pd_connector.core.block_phases import PhasePlan, route_pairs
 from pd_connector.core.layout import DescriptorRows, count_runs, merged_ranges, plan_indices, run_starts
 
 
@@ -137,17 +138,25 @@ class Planner:
 
     ``shard``: a TP shard plan, where this peer may hold nothing of some groups (other P ranks
     send those). ``copies_in_post``: DRAM without UCX worker threads, where the post itself
-    copies (slices by size); else ``threads`` worker threads share each READ."""
+    copies (slices by size); else ``threads`` worker threads share each READ. ``phases``: the
+    attention groups whose block sizes differ from this peer's, moved per phase group
+    (``block_phases.route_pairs``)."""
 
-    __slots__ = ("local", "remote", "shard", "threads", "copies_in_post")
+    __slots__ = ("local", "remote", "shard", "threads", "copies_in_post", "phases")
 
-    def __init__(self, local: DescriptorRows, remote: DescriptorRows, *, shard: bool, threads: int, copies_in_post: bool):
+    def __init__(
+        self, local: DescriptorRows, remote: DescriptorRows, *, shard: bool, threads: int, copies_in_post: bool,
+        phases: PhasePlan | None = None,
+    ):
         self.local, self.remote, self.shard = local, remote, shard
         self.threads, self.copies_in_post = threads, copies_in_post
+        self.phases = phases
 
     def indices(self, pairs: Sequence[Sequence[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
         """Descriptor indices (local, remote); with several worker threads, long runs cut so that
         each thread gets a share (``cut_long_runs``)."""
+        if self.phases is not None:
+            pairs = route_pairs(pairs, self.phases)
         if self.shard:
             pairs = [g if i in self.local.rows_of_group else () for i, g in enumerate(pairs)]
         local_idx, remote_idx = plan_indices(pairs, self.local, self.remote)

@@ -374,8 +374,11 @@ def shard_regions(
             remote = by_name.get(rank, {}).get(region.name)
             if remote is None:
                 raise ShardError(f"prefill rank {rank} has no layer {region.name}")
-            if remote.group != region.group:
-                raise ShardError(f"{region.name}: group {region.group} here, {remote.group} on prefill rank {rank}")
+            if (remote.group, remote.token_layout) != (region.group, region.token_layout):
+                raise ShardError(
+                    f"{region.name}: group {region.group}, tokens laid out as {region.token_layout!r} here; group "
+                    f"{remote.group}, {remote.token_layout!r} on prefill rank {rank} (another attention backend or CPU ISA?)"
+                )
             remotes.append((rank, remote))
         remote_of = dict(remotes)
         for piece in plan_region(region, remotes):

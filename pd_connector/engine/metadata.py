@@ -52,6 +52,9 @@ class RecvTask(msgspec.Struct):
     # the claim's block lists cover the offset's blocks only).
     checkpoints: list[CheckpointBlocks] = []
     checkpoint_pairs: list[Sequence[tuple[int, int]]] | None = None
+    # P's block sizes the pairs were cut for (pd_block_sizes, or D's own when P sent none);
+    # the worker reads only from a P whose handshake shows the same.
+    remote_block_sizes: tuple[int, ...] | None = None
 
 
 class ReleaseTask(msgspec.Struct, frozen=True):

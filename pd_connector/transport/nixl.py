@@ -20,6 +20,7 @@ import numpy as np
 from pd_connector.core import layout
 
 from pd_connector.core import read_plan
+from pd_connector.core.block_phases import PhasePlan
 from pd_connector.core.protocol import LayerRegion
 from pd_connector.transport.backends import backend_params, import_nixl
 
@@ -184,10 +185,12 @@ class NixlTransport:
         device_id: int = 0,
         agent_name: str = "",
         local_regions: Sequence[LayerRegion] | None = None,
+        phases: PhasePlan | None = None,
     ) -> None:
         """Load a remote agent and prepare its descriptor list (once per peer). With
         ``local_regions`` the two page maps are already matched one to one (a TP shard plan,
-        ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``)."""
+        ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``).
+        ``phases``: the groups re-cut for unequal block sizes (``block_phases.PhasePlan``)."""
         local_regions_given = local_regions is not None
         if local_regions is None:
             local_regions, regions = layout.reconcile_regions(self._regions, regions)
@@ -205,7 +208,8 @@ class NixlTransport:
         strided = rows.strided(device_id)
         dlist = _timed("prep_xfer_dlist", self._agent.prep_xfer_dlist, agent_name, strided, self.mem_type)
         planner = read_plan.Planner(
-            local_rows, rows, shard=local_regions_given, threads=self._threads, copies_in_post=self.copies_in_post
+            local_rows, rows, shard=local_regions_given, threads=self._threads, copies_in_post=self.copies_in_post,
+            phases=phases,
         )
         self._peers[key] = _Peer(agent_name, dlist, local_dlist, planner)
 

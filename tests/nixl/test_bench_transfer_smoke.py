@@ -92,3 +92,24 @@ def test_bench_transfer_tp_runs_every_layout_vllm_shards(tmp_path):
     mla = [r for r in rows if r["layers"].startswith("mla")]
     gqa = [r for r in rows if r["layers"].startswith("gqa")]
     assert all(int(m["bytes"].split("/")[1]) < int(g["bytes"].split("/")[1]) for m, g in zip(mla, gqa))
+
+
+def test_bench_transfer_blocks_moves_the_same_bytes_at_every_block_ratio(tmp_path, capsys):
+    from pd_connector.dev.benchmarks import transfer_blocks
+
+    argv = ["--ratios", "1,2,1/2", "--tokens", "256", "--block", "16", "--kv-heads", "2", "--head-dim", "8",
+            "--reps", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert transfer_blocks.main(argv) == 0
+    rows = json.loads((tmp_path / "transfer_blocks.json").read_text())["rows"]
+    assert [(r["layout"], r["P:D block"], r["pairs"]) for r in rows] == [
+        (layout, blocks, pairs)
+        for layout in ("interleaved", "cpu_vec")
+        for blocks, pairs in (("16:16", 16), ("32:16", 16), ("8:16", 32))
+    ]
+    # Every ratio moves the prompt's 256 tokens of K and V (2 layers x 2 heads x 32 B a token).
+    assert {r["KiB"] for r in rows} == {2 * 2 * 256 * 32 / 1024}
+    # Re-cut pages are never cheaper in descriptors than whole ones; vLLM CPU's columns cost most.
+    for layout in ("interleaved", "cpu_vec"):
+        equal, *cut = [r["descriptors"] for r in rows if r["layout"] == layout]
+        assert all(c >= equal for c in cut)
+    assert "c/raw" in capsys.readouterr().out

@@ -23,7 +23,6 @@ from pd_connector.dev.rig.ports import free_ports
 from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
 from pd_connector.dev.rig.stack import kv_transfer_config, tp_args
 
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Generous timeouts: three worker processes of two instances share two cores.
 TP_EXTRA_CONFIG = {"handshake_timeout_seconds": 20, "lease_seconds": 120}
 
@@ -49,7 +48,7 @@ class TPInstance:
 
     def prompt_tokens(self) -> dict[str, float]:
         """D's cumulative ``vllm:prompt_tokens_by_source`` per source."""
-        return {s: self.server.metric("vllm:prompt_tokens_by_source_total", {"source": s}) or 0.0 for s in SOURCES}
+        return self.server.prompt_tokens_by_source()
 
     def events(self) -> dict[str, float]:
         from pd_connector.dev.rig.prometheus import read_metric_labels

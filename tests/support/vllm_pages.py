@@ -47,6 +47,7 @@ class Layers:
     k_then_v_slots: bool = False  # 2H slots: all heads' K, then all heads' V (FlashInfer NVFP4)
     arch: Any = None  # a real ModelArchitectureConfig for heterogeneous checkpoints
     nixl: bool = False  # register each rank with its own NIXL agent (``Rank.transport``)
+    backend: Any = None  # every layer's vLLM attention backend class (its token layout)
 
     def total(self, layer: str) -> int:
         return self.heads_of.get(layer, self.kv_heads)
@@ -86,7 +87,9 @@ def model_stub(layers: Layers) -> Any:
     model = SimpleNamespace(
         get_total_num_kv_heads=lambda: layers.kv_heads, model_arch_config=layers.arch, use_mla=layers.replicated
     )
-    return SimpleNamespace(model_config=model, speculative_config=None, compilation_config=None)
+    context = {name: SimpleNamespace(attn_backend=layers.backend) for name in layers.layers} if layers.backend else None
+    compilation = SimpleNamespace(static_forward_context=context) if context else None
+    return SimpleNamespace(model_config=model, speculative_config=None, compilation_config=compilation)
 
 
 class Rank:

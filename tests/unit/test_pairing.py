@@ -698,3 +698,69 @@ def test_mamba_state_index_is_where_mamba_state_slot_reads(nsb, n):
     ids = list(range(1, n + 1))
     index = mamba_state_index(layout, n)
     assert mamba_state_slot(layout, ids) == (None if index is None else ids[index])
+
+
+# --- unequal block sizes (sub-block pairs) ------------------------------------------------------
+
+
+@st.composite
+def recut_cases(draw):
+    small = draw(st.sampled_from([1, 2, 16, 32, 48]))
+    ratio = draw(st.integers(2, 5))
+    bp, bd = (small * ratio, small) if draw(st.booleans()) else (small, small * ratio)
+    window = draw(st.sampled_from([0, 1, 7, 64, 500]))
+    offset = draw(st.integers(1, 40 * small))
+    hit = draw(st.integers(0, offset - 1)) // bd * bd
+    return bp, bd, window, offset, hit
+
+
+@FEWER
+@given(recut_cases())
+def test_sub_block_pairs_cover_each_token_d_lacks_once_from_the_p_block_holding_it(case):
+    """Every token in [max(hit, window start), offset) of D is written once, from the P block
+    and phase holding the same token; nothing else is paired."""
+    bp, bd, window, offset, hit = case
+    kind = SLIDING_WINDOW if window else ATTENTION
+    p_layout, d_layout = GroupLayout(kind, bp, sliding_window=window), GroupLayout(kind, bd, sliding_window=window)
+    p_table = [100 + i for i in range(cdiv(offset, bp))]
+    sent = select_source_blocks((p_layout,), (p_table,), offset)[0]
+    d_table = [1000 + i for i in range(cdiv(offset, bd))]
+    pairs = pair_block_lists((d_layout,), [sent], (d_table,), offset, hit, remote_block_sizes=[bp])[0]
+    small, ratio = min(bp, bd), max(bp, bd) // min(bp, bd)
+    covered = []
+    for (src, dst), phase in zip(pairs, pairs.phases):
+        assert 0 <= phase < ratio
+        # The sub-block's first token, on each side: its block's start plus the phase's offset
+        # on the larger side.
+        p_token = (src - 100) * bp + (phase * small if bp > bd else 0)
+        d_token = (dst - 1000) * bd + (phase * small if bd > bp else 0)
+        assert p_token == d_token, (src, dst, phase)
+        covered.append(d_token)
+    first = max(hit, max(0, offset - window + 1) if window else 0) // small * small
+    assert covered == list(range(first, cdiv(offset, small) * small, small))
+
+
+@pytest.mark.parametrize("bp, bd", [(24, 16), (16, 24), (0, 16)])
+def test_block_sizes_without_an_integral_ratio_cannot_be_paired(bp, bd):
+    with pytest.raises(PairingError, match="not an integral ratio"):
+        pair_block_lists((GroupLayout(ATTENTION, bd),), [[1, 2, 3]], ([1, 2, 3, 4],), 40, 0, remote_block_sizes=[bp])
+
+
+def test_sub_block_pairs_refuse_a_block_list_of_the_wrong_length():
+    """P's list must be exactly the blocks its own size needs (a tampered pd_block_sizes)."""
+    with pytest.raises(PairingError, match="P sent 3 blocks of 32 tokens, offset 40 needs 2"):
+        pair_block_lists((GroupLayout(ATTENTION, 16),), [[1, 2, 3]], ([1, 2, 3, 4],), 40, 0, remote_block_sizes=[32])
+
+
+def test_mamba_groups_ignore_the_block_sizes():
+    layouts = (GroupLayout(ATTENTION, 16), GroupLayout(MAMBA, 16))
+    pairs = pair_block_lists(layouts, [[5], [9]], ([1, 2], [4]), 20, 0, remote_block_sizes=[32, 0])
+    assert list(pairs[0]) == [(5, 1), (5, 2)] and pairs[0].phases == [0, 1]
+    assert list(pairs[1]) == [(9, 4)] and pairs[1].phases is None
+
+
+def test_block_pairs_with_phases_keep_them_through_pickling_and_equality():
+    pairs = BlockPairs([5, 5], [1, 2], [0, 1])
+    assert pickle.loads(pickle.dumps(pairs)) == pairs
+    assert pairs != BlockPairs([5, 5], [1, 2], [1, 0])
+    assert "phases=[0, 1]" in repr(pairs)

@@ -160,7 +160,7 @@ def _compat(model_dir, **kw):
 
 
 @pytest.mark.parametrize("theirs, named", [
-    ({"block_size": 32}, "group 0 block_size: local 16, remote 32"),
+    ({"block_size": 24}, "group 0 block_size: local 16, remote 24 (not an integral ratio)"),
     ({"dtype": "float16"}, "dtype: local 'torch.float32', remote 'torch.float16'"),
     ({"speculative": "mtp"}, "speculative: local 'none', remote 'mtp'"),
     # Same page size, other content: only the dtype names it.
@@ -178,12 +178,15 @@ def test_handshake_names_the_setting_p_and_d_differ_in(model_dir, theirs, named)
 def test_mamba_block_size_alone_is_no_difference(model_dir):
     """Prefix caching on one side only changes the Mamba group's block size (the align-mode
     block on one side, max_model_len on the other); one state slot is copied either way, so
-    such a pair is compatible. The attention block size still is a difference (pages pair by
-    token position), named as such."""
+    such a pair is compatible. An attention block size neither of which divides the other still
+    is a difference (sub-blocks of one would straddle blocks of the other), named as such; an
+    integral ratio is re-cut (core/block_phases.py)."""
     mine = _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256)
     assert compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=64)) == []
-    diffs = compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256, block_size=32))
-    assert "group 0 block_size: local 16, remote 32" in diffs and all(d.startswith("group 0 ") for d in diffs), diffs
+    assert compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256, block_size=32)) == []
+    diffs = compat_differences(mine, _compat(model_dir, ssm_dtype=torch.float16, mamba_block_size=256, block_size=24))
+    assert "group 0 block_size: local 16, remote 24 (not an integral ratio)" in diffs, diffs
+    assert all(d.startswith("group 0 ") for d in diffs), diffs
 
 
 def test_handshake_names_a_different_model(model_dir, tmp_path):

@@ -321,6 +321,12 @@ class VllmServer:
     def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
         return read_metric(self.base_url, name, labels)
 
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        """vLLM's cumulative ``vllm:prompt_tokens_by_source`` per source: where this instance's
+        prompt tokens came from (computed, its own prefix cache, a KV connector)."""
+        sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+        return {s: self.metric("vllm:prompt_tokens_by_source_total", {"source": s}) or 0.0 for s in sources}
+
     def cache_config(self) -> dict[str, str]:
         """Labels of ``vllm:cache_config_info``: the *effective* cache settings after vLLM's
         platform/hybrid adjustments, e.g. ``block_size``, ``effective_attention_block_size``,

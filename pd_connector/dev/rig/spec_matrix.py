@@ -164,17 +164,19 @@ class SpecInstance:
 
 
 def caught_desyncs(
-    p: SpecInstance, d: SpecInstance, prompts: Sequence[Sequence[int]], max_tokens: int, reference
+    p: SpecInstance, d: SpecInstance, prompts: Sequence[Sequence[int]], max_tokens: int, reference, same=None
 ) -> list[bool]:
-    """Negative control: per prompt, whether the bf16 oracle catches D resuming one token early
-    on the state P computed for its offset (what a P/D pair backing off differently does).
-    ``reference(prompt)`` is D's aggregated output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
+    """Negative control: per prompt, whether the oracle (``same(reference, candidate)``, the bf16
+    rule by default) catches D resuming one token early on the state P computed for its offset
+    (what a P/D pair backing off differently does). ``reference(prompt)`` is D's aggregated
+    output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
     from pd_connector.engine.faults import RESUME_SHIFT
 
+    same = same or (lambda ref, got: check_bf16(ref, got).ok)
     caught = []
     for prompt in prompts:
         params = {**p.prefill(prompt), RESUME_SHIFT: -1}
-        caught.append(not check_bf16(reference(prompt), d.decode(prompt, params, max_tokens)).ok)
+        caught.append(not same(reference(prompt), d.decode(prompt, params, max_tokens)))
     return caught
 
 

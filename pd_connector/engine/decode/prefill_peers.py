@@ -1,5 +1,6 @@
 """D's connections to prefill engines, on one TP rank: one background handshake per P engine
-(all the P ranks this rank pairs with), the shard plan when the TP sizes differ, and a transport
+(all the P ranks this rank pairs with), the shard plan when the TP sizes differ, the phase plan
+when attention block sizes do (``core/block_phases.py``), and a transport
 peer per P rank (``engine_id#rank``). A failed connection is remembered until no load waits for
 it, so a later request retries (P may have restarted). An engine no load has used for
 ``prefill_engine_idle_seconds`` is forgotten: vLLM gives every P start a fresh engine id
@@ -15,7 +16,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pd_connector.core import shards
+from pd_connector.core import block_phases, shards
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
@@ -33,6 +34,7 @@ class _Engine:
     sources: dict[int, str | None]
     agents: dict[int, str]
     side_channels: tuple[tuple[str, int], ...] = ()
+    block_sizes: tuple[int, ...] = ()  # P's per transfer group, from its handshake
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -87,6 +89,10 @@ class PrefillPeers:
                 answers = future.result()
                 started = time.monotonic()
                 engine = self._add_engine(key, answers, prefill)
+            except block_phases.BlockSizeError as exc:
+                self.errors[key] = (f"attention block sizes cannot be paired: {exc}", "block_size")
+                logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
+                continue
             except shards.ShardError as exc:
                 self.errors[key] = (f"tensor-parallel layouts cannot be paired: {exc}", "tp_mismatch")
                 logger.warning("pd_connector: refusing prefill engine %s: %s", key, exc)
@@ -116,11 +122,19 @@ class PrefillPeers:
         """Load the paired P ranks' agents and prepare what to read from each."""
         p = answers[0][1].tp_size
         welcome_of = {rank: welcome for rank, welcome, _ in answers}
-        if p == self.tp_size:
-            plans = {rank: (None, tuple(w.regions)) for rank, w in welcome_of.items()}
-        else:
-            remote = {rank: w.regions for rank, w in welcome_of.items()}
-            plans = shards.shard_regions(self.transport.regions, remote, [rank for rank, _, _ in answers])
+        mine = self._calls.compat.groups
+        block_sizes = tuple(g.block_size for g in answers[0][1].compat.groups)
+        local_sizes = [g.block_size for g in mine]
+        phases = block_phases.PhasePlan.of(block_sizes, local_sizes, [g.kind for g in mine])
+        plans = block_phases.peer_regions(
+            self.transport.regions,
+            {rank: w.regions for rank, w in welcome_of.items()},
+            [rank for rank, _, _ in answers],
+            p == self.tp_size,
+            phases,
+            local_sizes,
+            block_sizes,
+        )
         sources: dict[int, str | None] = {}
         for rank, (local, regions) in plans.items():
             if local is not None and not local:
@@ -130,13 +144,14 @@ class PrefillPeers:
             welcome = welcome_of[rank]
             self.transport.remove_peer(peer)
             self.transport.add_peer(
-                peer, welcome.agent_metadata, regions, agent_name=welcome.agent_name, local_regions=local
+                peer, welcome.agent_metadata, regions, agent_name=welcome.agent_name, local_regions=local,
+                phases=phases if phases.ratio else None,
             )
             # Connect now, while the claim is in flight, not in the first READ.
             self.transport.connect(peer)
             sources[rank] = peer
         channels = tuple((prefill.host, prefill.rank_port(rank)) for rank in welcome_of)
-        return _Engine(sources, {rank: w.agent_name for rank, w in welcome_of.items()}, channels)
+        return _Engine(sources, {rank: w.agent_name for rank, w in welcome_of.items()}, channels, block_sizes)
 
     def forget_idle(self, in_use: Callable[[], Collection[str]], now: float | None = None) -> None:
         """Forget the engines no load has asked for in ``idle_seconds``, except those a load

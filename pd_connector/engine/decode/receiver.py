@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pd_connector.core import read_hold, shards
+from pd_connector.core import block_phases, read_hold, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
 from pd_connector.engine import faults
@@ -61,7 +61,8 @@ def _read_pairs(task: RecvTask) -> list:
     extra = task.checkpoint_pairs
     if not extra or not any(extra):
         return task.pairs
-    return [list(main) + list(more) for main, more in zip(task.pairs, extra)]
+    # A group without checkpoints keeps its pairs as they are (attention pairs may carry phases).
+    return [list(main) + list(more) if len(more) else main for main, more in zip(task.pairs, extra)]
 
 
 @dataclass
@@ -214,6 +215,10 @@ class Receiver:
                 # that never answered cannot hear it (it frees at its claim deadline).
                 self._end_leg(leg, error, release=error[1] != "handshake")
             elif key in self._peers.engines:
+                mismatch = block_phases.paired_for_other_sizes(load.task.remote_block_sizes, self._peers.engines[key].block_sizes)
+                if mismatch:
+                    self._end_leg(leg, (mismatch, "block_size"), release=True)
+                    continue
                 task = load.task
                 request = ClaimRequest(
                     task.lease,

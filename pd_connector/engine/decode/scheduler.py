@@ -70,6 +70,7 @@ class DecodeScheduler:
         self.settings = settings
         self.profile = profile
         self.layouts = layouts
+        self._wire_block_sizes = tuple(pairing.wire_block_sizes(layouts))
         self.group_ids = group_ids
         self._all_groups_transfer = all_groups_transfer
         self._tp_size = tp_size  # logged and counted per (P TP -> D TP) pair
@@ -233,6 +234,7 @@ class DecodeScheduler:
                 block_ids=_vllm_block_ids,
                 # HandoffParams.remote_block_ids are params.BlockId: range-checked when decoded.
                 remote_checked=True,
+                remote_block_sizes=params.pd_block_sizes,
             )
         except pairing.PairingError as exc:
             # The load is already admitted; the worker reports it failed and vLLM's "recompute"
@@ -253,6 +255,7 @@ class DecodeScheduler:
             fingerprint=params.pd_prompt_fingerprint,
             checkpoints=claimed,
             checkpoint_pairs=extra,
+            remote_block_sizes=self._wire_block_sizes if params.pd_block_sizes is None else tuple(params.pd_block_sizes),
         )
         return task if self._faults is None else self._faults.recv_task(request_id, task)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pd_connector.core.pairing import MAMBA
+from pd_connector.core.pairing import MAMBA, wire_block_sizes
 from pd_connector.core.protocol import EngineCompat, GroupDesc
 from pd_connector.engine.from_vllm.config import layouts_from_kv_cache_config
 from pd_connector.engine.from_vllm.identity import model_identity
@@ -42,7 +42,7 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
                 kind=layout.kind,
                 # A Mamba block holds one state whatever its size (max_model_len without prefix
                 # caching, the align-mode block with it): the slot copy does not depend on it.
-                block_size=0 if layout.kind == MAMBA else layout.block_size,
+                block_size=wire_block_sizes([layout])[0],
                 # Mamba pages are padded to the attention page and hold a conv state whose width
                 # depends on the speculative token count; what must agree is per state, checked
                 # by layout.reconcile_regions on the page map. Attention pages must be equal.

@@ -14,6 +14,8 @@ An allow-list: a layer is described only when its page is a layout proven here (
   the layer's class, conv channels and heads as that class shards them (``recurrent_layouts``).
 Anything else (head slots that are not heads, packed content, other layouts, spec classes not
 named here) gets no segments and a reason, so only a peer of the same TP size can read it.
+Attention pages also get the token layout of their backend and CPU ISA (``_token_layout``),
+which P and D must share, and which a peer of another block size needs to cut pages by token.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from pd_connector.core import shards
+from pd_connector.core import block_phases, shards
 from pd_connector.core.protocol import LayerRegion, Segment
 from pd_connector.engine.from_vllm import recurrent_layouts
 
@@ -53,7 +55,8 @@ def describe_shards(
         except shards.ShardError as exc:
             segments, reason = (), str(exc)
             refused.setdefault(layer, f"{region.name}: {reason}")
-        out.append(msgspec.structs.replace(region, segments=segments, reason=reason))
+        token_layout = _token_layout(vllm_config, spec, layer) if any(s.unit.startswith("kv_head") for s in segments) else ""
+        out.append(msgspec.structs.replace(region, segments=segments, reason=reason, token_layout=token_layout))
     if refused:
         logger.info(
             "pd_connector: %d layer(s) not described per TP shard, so only a peer with TP %d can "
@@ -63,6 +66,31 @@ def describe_shards(
             "; ".join(sorted(set(refused.values()))[:4]),
         )
     return out
+
+
+def _token_layout(vllm_config: Any, spec: Any, layer: str) -> str:
+    """Where a token sits in ``layer``'s KV-head runs, by its attention backend
+    (``block_phases`` layouts): FlashAttention's interleaved K|V, vLLM CPU's "vec" kernels'
+    column-major K and row-major V; any other backend or CPU ISA by name only (pages of that
+    layout are copied whole between equal block sizes, never cut). "" without a backend."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    backend = getattr(context.get(layer), "attn_backend", None)
+    if backend is None:
+        return ""
+    name = backend.get_name()
+    if name == "FLASH_ATTN":
+        return block_phases.INTERLEAVED
+    if name != "CPU_ATTN":
+        return name
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    # The ISA the backend picks for this layer (CPUAttentionMetadataBuilder.__init__): it
+    # decides how reshape_and_cache lays K and V out (csrc/cpu/cpu_attn_<isa>.hpp).
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+    if isa == "vec" and spec.head_size == spec.head_size_v:
+        return block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, spec.head_size)
+    return f"CPU_ATTN:{isa}"
 
 
 def _layer_spec(kv_cache_config: Any, group: int, layer: str) -> Any:

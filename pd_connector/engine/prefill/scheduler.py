@@ -67,6 +67,7 @@ class PrefillScheduler:
         self._port = settings.side_channel_port if side_channel_port is None else side_channel_port
         self.profile = profile
         self.layouts = layouts
+        self._block_sizes = pairing.wire_block_sizes(layouts)
         self.group_ids = group_ids
         self._tp_size = tp_size  # in the params: D reads each rank's shard
         self.recorder = recorder
@@ -265,4 +266,5 @@ class PrefillScheduler:
             fingerprint=fingerprint,
             lease_seconds=self._initial_lease if offset else None,
             checkpoints=list(states),
+            block_sizes=self._block_sizes,
         )

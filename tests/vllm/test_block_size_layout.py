@@ -1,0 +1,148 @@
+"""Attention blocks of different sizes on P and D, through vLLM's own pages: vLLM builds each
+rank's spec, placement and page views (tests/support/vllm_pages.py) at P's and D's block size,
+the connector describes them (``describe_shards``, with the token layout of vLLM's CPU attention
+backend and ISA) and plans the re-cut (``block_phases.peer_regions``, ``route_pairs``); the
+copy is done as a READ would, piece by piece. The oracle is vLLM's own CPU kernel: it writes
+the prompt's K and V into P's blocks, and into a fresh D rank's blocks for the tokens D loads;
+D's memory after the copy must equal that, byte for byte. A plan one phase off, and a page
+planned as if K and V of a token sat together, are caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pd_connector.core import block_phases, pairing, shards
+from pd_connector.core.pairing import ATTENTION, GroupLayout
+from support.vllm_pages import Layers, plain_attention
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
+
+def _cpu_kernels() -> bool:
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's compiled ops)
+
+    return hasattr(torch.ops._C, "cpu_attn_reshape_and_cache")
+
+
+# vLLM 0.33's CUDA wheel (the in-process step of CI) ships no CPU attention kernels.
+needs_cpu_kernels = pytest.mark.skipif(not _cpu_kernels(), reason="this vLLM build has no CPU attention kernels")
+
+HEAD_SIZE = 32  # vLLM CPU's vec kernels want a multiple of 32 (16 picks vec16)
+TOTAL_HEADS = 4
+MAX_TOKENS = 1024
+
+
+def model(kv_heads: int, block: int) -> Layers:
+    return Layers(kv_heads, plain_attention(head_size=HEAD_SIZE, block_size=block), backend=CPUAttentionBackend)
+
+
+def write_kv(rank, name: str, heads: list[int], blocks: list[int], block: int, tokens: int) -> None:
+    """The prompt's K and V of ``tokens`` tokens for global ``heads`` into ``blocks`` (token t
+    in ``blocks[t // block]``), written by vLLM's own CPU kernel (``cpu_attn_reshape_and_cache``
+    with the ISA the backend picks), as the model's forward pass writes them."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    gen = torch.Generator().manual_seed(sum(name.encode()))
+    # Generated for the longest prompt, then cut: every rank sees the same token's K and V.
+    key, value = (torch.randn(MAX_TOKENS, TOTAL_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)[:tokens] for _ in range(2))
+    cache = rank.views[name]
+    n_blocks, n_heads, n_tokens, _ = cache.shape
+    key_cache, value_cache = cache.view(n_blocks, n_heads, 2 * n_tokens, -1).chunk(2, dim=2)
+    t = torch.arange(tokens)
+    slots = torch.tensor(blocks, dtype=torch.int64)[t // block] * block + t % block
+    isa = _get_attn_isa(torch.bfloat16, block, HEAD_SIZE, "auto")
+    ops.cpu_attn_reshape_and_cache(key[:, heads].contiguous(), value[:, heads].contiguous(), key_cache, value_cache, slots, isa)
+
+
+def rank_heads(layers: Layers, tp: int, r: int) -> list[int]:
+    slots = max(1, layers.kv_heads // tp)
+    return [layers.slot_label(layers.layers[0], tp, r, s, slots) for s in range(slots)]
+
+
+def run(p: int, d: int, bp: int, bd: int, offset: int, kv_heads: int = TOTAL_HEADS, tamper=None, declared: str = "") -> None:
+    """Hand the first ``offset`` prompt tokens from P (TP ``p``, blocks of ``bp``) to every D
+    rank (TP ``d``, blocks of ``bd``); each D rank's memory must then equal a fresh rank into
+    which vLLM's kernel wrote the tokens D loaded (every sub-block up to ``offset``) itself.
+    ``declared``: plan with this token layout instead of the one described (negative control)."""
+
+    def regions(rank):
+        if not declared:
+            return rank.regions
+        return [msgspec.structs.replace(r, token_layout=declared) for r in rank.regions]
+
+    p_model, d_model = model(kv_heads, bp), model(kv_heads, bd)
+    p_ranks = {r: p_model.rank(p, r, seed=None, num_blocks=16) for r in range(p)}
+    p_table = list(range(3, 3 + pairing.cdiv(offset, bp)))
+    for r, rank in p_ranks.items():
+        for name in p_model.layers:
+            write_kv(rank, name, rank_heads(p_model, p, r), p_table, bp, len(p_table) * bp)
+    plan = block_phases.PhasePlan.of([bp], [bd], [ATTENTION])
+    small = min(bp, bd)
+    for j in range(d):
+        mine = d_model.rank(d, j, seed=None, num_blocks=16)
+        reference = d_model.rank(d, j, seed=None, num_blocks=16)
+        d_table = list(range(2, 2 + pairing.cdiv(offset, bd)))
+        for name in d_model.layers:
+            write_kv(reference, name, rank_heads(d_model, d, j), d_table, bd, pairing.cdiv(offset, small) * small)
+        pairs = pairing.pair_block_lists((GroupLayout(ATTENTION, bd),), [p_table], (d_table,), offset, 0, remote_block_sizes=[bp])
+        order = shards.peer_ranks(p, d, j)
+        plans = block_phases.peer_regions(regions(mine), {r: regions(p_ranks[r]) for r in order}, order, p == d, plan, [bd], [bp])
+        if tamper is not None:
+            pairs = tamper(pairs)
+        routed = block_phases.route_pairs(pairs, plan)
+        for r, (local, remote) in plans.items():
+            src_rank = p_ranks[r]
+            for lo, re_ in zip(local, remote):
+                for src, dst in routed[lo.group]:
+                    at, frm = lo.addr - mine.base + dst * lo.block_stride, re_.addr - src_rank.base + src * re_.block_stride
+                    mine.mem()[at : at + lo.page_bytes] = src_rank.mem()[frm : frm + re_.page_bytes]
+        bad = np.flatnonzero(mine.mem() != reference.mem())
+        assert bad.size == 0, f"D rank {j}: {bad.size} bytes differ from vLLM's own write, first at {bad[:4].tolist()}"
+        mine.close()
+        reference.close()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("bp, bd", [(32, 64), (64, 32), (32, 128), (96, 32)])
+@pytest.mark.parametrize("p, d", [(1, 1), (1, 2), (2, 1)])
+def test_d_holds_ps_k_and_v_of_every_token_it_loaded_through_vllms_cpu_view(p, d, bp, bd):
+    run(p, d, bp, bd, offset=150)
+
+
+def test_cpu_attention_pages_get_the_vec_kernels_token_layout():
+    rank = model(4, 32).rank(1, 0, seed=None)
+    want = block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, HEAD_SIZE)
+    assert {r.token_layout for r in rank.regions} == {want}
+
+
+def test_a_backend_whose_token_layout_is_unknown_is_refused_by_name():
+    """A page of another backend (here: no backend known) is not re-cut: the refusal names it."""
+    p = dataclasses.replace(model(4, 64), backend=None).rank(1, 0, seed=None)
+    d = model(4, 32).rank(1, 0, seed=None)
+    plan = block_phases.PhasePlan.of([64], [32], [ATTENTION])
+    with pytest.raises(block_phases.BlockSizeError, match="token layout"):
+        block_phases.peer_regions(d.regions, {0: p.regions}, [0], True, plan, [32], [64])
+
+
+@needs_cpu_kernels
+def test_negative_control_pairs_one_phase_off_are_caught():
+    def one_phase_off(pairs):
+        g = pairs[0]
+        return [pairing.BlockPairs(g.remote, g.local, [(x + 1) % 2 for x in g.phases])]
+
+    with pytest.raises(AssertionError, match="differ"):
+        run(1, 1, 64, 32, offset=150, tamper=one_phase_off)
+
+
+@needs_cpu_kernels
+def test_negative_control_cpu_pages_planned_as_interleaved_are_caught():
+    """The same pages planned as if a token's K and V sat together (FlashAttention's layout)."""
+    with pytest.raises(AssertionError, match="differ"):
+        run(1, 1, 64, 32, offset=150, declared=block_phases.INTERLEAVED)
