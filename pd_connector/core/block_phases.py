@@ -6,12 +6,14 @@ holds the same tokens as one whole block of the smaller side. D's scheduler pair
 and names each pair's phase (``pairing.sub_block_pairs``); here, once per peer, each layer of a
 re-cut group becomes one region per phase (``name~j``) in its own *phase group*, on both sides,
 so the descriptor machinery (``layout.py``, ``read_plan.Planner``) moves phase j's pairs like a
-group of whole pages. A page's bytes are found from its segments: each KV head of each kernel
-block is one run of tokens (``shards.attention_page_segments``), so token t of head h sits at a
-known offset on each side, whatever the two block sizes, kernel blocks and TP shards; the
-pieces are then planned per P rank by ``shards.shard_regions``, as for unequal TP.
+group of whole pages. A page's bytes are found from its segments and its token layout: each KV
+head of each kernel block is one run (``shards.attention_page_segments``), and the layer's
+attention backend decides where a token sits inside it (``token_parts``), so token t of head h
+is at a known offset on each side, whatever the two block sizes, kernel blocks and TP shards;
+the pieces are then planned per P rank by ``shards.shard_regions``, as for unequal TP.
 
-What is not described per head (MLA's latent, a page of unknown layout) is refused by name.
+What is not described per head and token (MLA's latent, a backend or CPU ISA whose layout is not
+known) is refused by name.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class BlockSizeError(ShardError):
 
 
 KV_HEAD = "kv_head"
+# Bounds on what a peer's page map may make us build: heads per segment, parts of a token, phases.
+MAX_PARTS = 1 << 12
 # Where token t of an N-token run of one KV head sits (C bytes of K and V per token), by how the
 # attention backend writes and reads it. INTERLEAVED: token t's K and V at t*C (vLLM's page view
 # [H, N, C] as FlashAttention splits it, v1/attention/backends/flash_attn.py forward:
@@ -58,6 +62,8 @@ def token_parts(layout: str, tokens: int, token_bytes: int) -> list[tuple[int, i
     if name != K_COLUMNS_V_ROWS or not dim.isdigit() or int(dim) <= 0 or token_bytes % (2 * int(dim)):
         return None
     head_dim = int(dim)
+    if head_dim > MAX_PARTS:
+        return None
     elem = token_bytes // (2 * head_dim)
     half = tokens * head_dim * elem
     return [(i * tokens * elem, elem) for i in range(head_dim)] + [(half, head_dim * elem)]
@@ -88,7 +94,7 @@ def token_segments(region: LayerRegion, block_size: int) -> tuple[Segment, ...]:
     out = []
     for seg, kernel in zip(region.segments, kernels):
         parts = token_parts(region.token_layout, per_kernel, seg.unit_bytes // per_kernel)
-        if parts is None or seg.unit_bytes % per_kernel:
+        if parts is None or seg.unit_bytes % per_kernel or not 0 < seg.count <= MAX_PARTS:
             raise BlockSizeError(
                 f"{region.name}: where a token sits in a KV head's page is not known for its attention backend "
                 f"(token layout {region.token_layout!r}, {seg.unit_bytes} B per head)"
@@ -130,7 +136,7 @@ class PhasePlan:
             if p == d:
                 continue
             small, large = sorted((p, d))
-            if kind not in ("attention", "sliding_window") or small <= 0 or large % small:
+            if kind not in ("attention", "sliding_window") or small <= 0 or large % small or large // small > MAX_PARTS:
                 raise BlockSizeError(f"group {g} ({kind}): block sizes {p} (prefill) and {d} (decode) cannot be re-cut")
             ratio[g] = large // small
             groups[(g, 0)] = g

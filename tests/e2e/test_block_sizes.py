@@ -1,8 +1,11 @@
-"""Attention blocks of different sizes on P and D, on real vLLM CPU servers, float32, both
-directions: P's blocks smaller than D's and larger (prefix caching: test_block_sizes_prefix_cache.py).
+"""Attention blocks of different sizes on P and D at different TP sizes, on real vLLM CPU
+servers, float32, both directions: P's blocks smaller than D's and larger (equal TP with prefix
+caching: test_block_sizes_prefix_cache.py).
 
-The tiny Nemotron-H (Mamba2 + attention) runs 32-token attention blocks with ``--block-size 32``
-and 64 with ``--block-size 64`` (tests/support/block_size_pairs.py). Per direction and prompt
+The tiny Nemotron-H (Mamba2 + attention) at TP 1 with ``--block-size 32`` and at TP 2 with
+``--block-size 64`` (tests/support/block_size_pairs.py), so the cells are P1 (32) -> D2 (64) and
+P2 (64) -> D1 (32), each D rank reading its heads and channels from the P rank(s) holding them,
+sub-block by sub-block. Per direction and prompt
 length (on, around and across both block sizes): P's offset is N - 1, D's own
 ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R computed, and D's output equals
 its own aggregated serving token for token. Negative control: D resuming one token early on P's
@@ -29,7 +32,7 @@ LENGTHS = [5, 31, 33, 63, 65, 97, 130, 257]
 def pair(models_root, artifacts):
     model = str(build_model("nemotron_h", models_root))
     flags = [f for f in CPU_MODELS["nemotron_h"] if f not in ("--block-size", "32")]
-    with block_size_pair(model, artifacts / "block-sizes", "float32", flags, BLOCKS, 1024) as instances:
+    with block_size_pair(model, artifacts / "block-sizes", "float32", flags, BLOCKS, 1024, tp=(1, 2)) as instances:
         yield instances
 
 

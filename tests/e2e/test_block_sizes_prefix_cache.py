@@ -1,5 +1,6 @@
 """Attention blocks of different sizes on P and D with prefix caching on both, on real vLLM CPU
-servers, both directions (the float32 token-for-token cells: test_block_sizes.py).
+servers, both directions, at TP 1/1 (the float32 token-for-token cells across TP sizes:
+test_block_sizes.py).
 
 The tiny Qwen3-Next (GDN, bf16: the only hybrid whose CPU kernels run prefix caching,
 docs/testing.md) gets 640-token attention blocks (its Mamba page needs them) and 1280 with

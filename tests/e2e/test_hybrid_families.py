@@ -5,11 +5,11 @@ MLA) do not run on vLLM CPU; their layouts are tested in process (tests/vllm/
 test_state_shard_layout.py, tests/nixl/test_tp_transfer.py) and the exact errors are in
 docs/testing.md ("Hybrid families").
 
-Per family two float32 ``kv_both`` instances at TP 1 (tests/support/tp_matrix.py): ``p`` is P and
-the aggregated reference, ``d`` is D; D's ``vllm:prompt_tokens_by_source`` shows R tokens from P
-and N - R computed. Both families also run at TP 2 on vLLM CPU (P1 -> D2, P2 -> D1 matched their
-D side's aggregated serving, 2026-12-02), but a TP-2 instance costs 27-41 s more set-up per
-family on the 2-core box, so the suite leaves it out (docs/testing.md, "Hybrid families").
+Per family three float32 ``kv_both`` instances (tests/support/tp_matrix.py): ``p`` (TP 1) is P
+and the aggregated reference at TP 1, ``d`` (TP 1) is D, ``tp2`` (TP 2) is D of the cell P1 -> D2
+(its own aggregated reference: prefix caching is off, so a reference never reads KV a handoff
+wrote) and P of P2 -> D1; D's ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R
+computed in every cell.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.e2e
 # kind -> instances (name, TP size). Prefix caching off: Mamba2 crashes in align mode on CPU, and
 # a reference served by an instance must not come from KV a handoff wrote.
 FAMILIES = {
-    "falcon_h1": (("p", 1), ("d", 1)),
-    "lfm2": (("p", 1), ("d", 1)),
+    "falcon_h1": (("p", 1), ("d", 1), ("tp2", 2)),
+    "lfm2": (("p", 1), ("d", 1), ("tp2", 2)),
 }
 FLAGS = ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"]
 MAX_TOKENS = 8
@@ -77,6 +77,14 @@ def test_pd_matches_aggregated_token_for_token_and_d_loads_the_prompt_from_p(fam
     kind, inst = family
     failures = check_cell(inst["p"], inst["d"], inst["p"], LENGTHS, seed=3)
     assert not failures, f"{kind} P1 -> D1:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("cell", ["P1->D2", "P2->D1"])
+def test_pd_across_tp_sizes_matches_aggregated_and_d_loads_the_prompt_from_p(family, cell):
+    kind, inst = family
+    p, d, ref = (inst["p"], inst["tp2"], inst["tp2"]) if cell == "P1->D2" else (inst["tp2"], inst["d"], inst["p"])
+    failures = check_cell(p, d, ref, LENGTHS, seed=3)
+    assert not failures, f"{kind} {cell}:\n" + "\n".join(failures)
 
 
 def test_a_handoff_one_token_off_is_caught(family):
