@@ -5,11 +5,12 @@ MLA) do not run on vLLM CPU; their layouts are tested in process (tests/vllm/
 test_state_shard_layout.py, tests/nixl/test_tp_transfer.py) and the exact errors are in
 docs/testing.md ("Hybrid families").
 
-Per family three float32 ``kv_both`` instances (tests/support/tp_matrix.py): ``p`` (TP 1) is P
-and the aggregated reference at TP 1, ``d`` (TP 1) is D, ``tp2`` (TP 2) is D of the cell P1 -> D2
-(its own aggregated reference: prefix caching is off, so a reference never reads KV a handoff
-wrote) and P of P2 -> D1; D's ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R
-computed in every cell.
+Per family two float32 ``kv_both`` instances (tests/support/tp_matrix.py), ``tp1`` and ``tp2``,
+each P, D and the aggregated reference at its TP size: the cells P1 -> D1 (``tp1`` handing a
+request to itself, NIXL loopback: the same side channel, claim, READ and pairing as two
+instances), P1 -> D2 and P2 -> D1. Prefix caching is off, so a reference never reads KV a
+handoff wrote. D's ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R computed in
+every cell.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.e2e
 # kind -> instances (name, TP size). Prefix caching off: Mamba2 crashes in align mode on CPU, and
 # a reference served by an instance must not come from KV a handoff wrote.
 FAMILIES = {
-    "falcon_h1": (("p", 1), ("d", 1), ("tp2", 2)),
-    "lfm2": (("p", 1), ("d", 1), ("tp2", 2)),
+    "falcon_h1": (("tp1", 1), ("tp2", 2)),
+    "lfm2": (("tp1", 1), ("tp2", 2)),
 }
 FLAGS = ["--block-size", str(REQUESTED_BLOCK), "--no-enable-prefix-caching"]
 MAX_TOKENS = 8
@@ -73,17 +74,15 @@ def check_cell(p, d, ref, lengths, seed) -> list[str]:
     return failures
 
 
-def test_pd_matches_aggregated_token_for_token_and_d_loads_the_prompt_from_p(family):
-    kind, inst = family
-    failures = check_cell(inst["p"], inst["d"], inst["p"], LENGTHS, seed=3)
-    assert not failures, f"{kind} P1 -> D1:\n" + "\n".join(failures)
+# (P, D) per cell; D's own instance is the aggregated reference.
+CELLS = {"P1->D1": ("tp1", "tp1"), "P1->D2": ("tp1", "tp2"), "P2->D1": ("tp2", "tp1")}
 
 
-@pytest.mark.parametrize("cell", ["P1->D2", "P2->D1"])
-def test_pd_across_tp_sizes_matches_aggregated_and_d_loads_the_prompt_from_p(family, cell):
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_pd_matches_aggregated_token_for_token_and_d_loads_the_prompt_from_p(family, cell):
     kind, inst = family
-    p, d, ref = (inst["p"], inst["tp2"], inst["tp2"]) if cell == "P1->D2" else (inst["tp2"], inst["d"], inst["p"])
-    failures = check_cell(p, d, ref, LENGTHS, seed=3)
+    p, d = (inst[name] for name in CELLS[cell])
+    failures = check_cell(p, d, d, LENGTHS, seed=3)
     assert not failures, f"{kind} {cell}:\n" + "\n".join(failures)
 
 
@@ -94,7 +93,7 @@ def test_a_handoff_one_token_off_is_caught(family):
     caught = 0
     for n in (40, 70, 130, 200):
         prompt = random_prompt(n, seed=5)
-        want = inst["p"].reference(prompt, MAX_TOKENS).token_ids
-        _, got, _ = handoff(inst["p"], inst["d"], prompt, **{RESUME_SHIFT: -1})
+        want = inst["tp1"].reference(prompt, MAX_TOKENS).token_ids
+        _, got, _ = handoff(inst["tp2"], inst["tp1"], prompt, **{RESUME_SHIFT: -1})
         caught += got.token_ids != want
     assert caught >= 3, f"{kind}: only {caught} of 4 desynced handoffs were caught"
