@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from pd_connector.core.layout import reconcile_regions
+from pd_connector.core.pairing import recut_ratio
 from pd_connector.core.protocol import LayerRegion, Segment
 from pd_connector.core.shards import ShardError, shard_regions
 
@@ -135,10 +136,10 @@ class PhasePlan:
         for g, (p, d, kind) in enumerate(zip(remote_sizes, local_sizes, kinds)):
             if p == d:
                 continue
-            small, large = sorted((p, d))
-            if kind not in ("attention", "sliding_window") or small <= 0 or large % small or large // small > MAX_PARTS:
+            k = recut_ratio(kind, p, d)
+            if k is None or k > MAX_PARTS:
                 raise BlockSizeError(f"group {g} ({kind}): block sizes {p} (prefill) and {d} (decode) cannot be re-cut")
-            ratio[g] = large // small
+            ratio[g] = k
             groups[(g, 0)] = g
             for j in range(1, ratio[g]):
                 groups[(g, j)] = next_group

@@ -33,6 +33,17 @@ class PairingError(ValueError):
     """The block tables cannot carry this handoff (a bug or tampered input, never silent)."""
 
 
+def recut_ratio(kind: str, remote_block_size: int, local_block_size: int) -> int | None:
+    """``block_ratio`` for a group of ``kind`` whose sizes differ, or None where its blocks
+    cannot be re-cut (a Mamba group, or neither size dividing the other)."""
+    if kind not in (ATTENTION, SLIDING_WINDOW):
+        return None
+    try:
+        return block_ratio(remote_block_size, local_block_size)
+    except PairingError:
+        return None
+
+
 def block_ratio(remote_block_size: int, local_block_size: int) -> int:
     """How many of the smaller side's blocks one of the larger side's holds (1: equal sizes);
     ``PairingError`` when neither size divides the other (no sub-block is whole on both)."""

@@ -13,6 +13,8 @@ from typing import Annotated
 
 import msgspec
 
+from pd_connector.core.pairing import recut_ratio
+
 # Increment on any incompatible change to these types or their meaning; one line per version:
 #   1: replay offset, claim/grant/release/extend, per-state page maps.
 #   2: tensor parallelism: P's TP size in the params, one side channel per P rank
@@ -170,10 +172,9 @@ def compat_differences(mine: EngineCompat, theirs: EngineCompat) -> list[str]:
 
 
 def recuttable_block_sizes(a: GroupDesc, b: GroupDesc) -> bool:
-    """Two token-block groups of one kind whose block sizes are positive and one divides the
-    other: D's blocks can be read from P's sub-block by sub-block."""
-    small, large = sorted((a.block_size, b.block_size))
-    return a.kind == b.kind and a.kind in ("attention", "sliding_window") and small > 0 and large % small == 0
+    """Two token-block groups of one kind whose blocks D can read from P's sub-block by
+    sub-block (``pairing.recut_ratio``)."""
+    return a.kind == b.kind and recut_ratio(a.kind, b.block_size, a.block_size) is not None
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):

@@ -28,7 +28,8 @@ from pd_connector.core.pairing import ATTENTION, GroupLayout
 from pd_connector.dev.benchmarks import report
 from pd_connector.dev.benchmarks.transfer_paths import POLL_S
 from pd_connector.dev.rig.attention_pages import AttentionRank
-from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead
+from pd_connector.dev.benchmarks.transfer_tp import poll_to_done
+from pd_connector.transport.nixl import DONE, ChunkedRead
 
 DEFAULT_RATIOS = "1,2,4,8,1/2,1/4,1/8"
 
@@ -41,12 +42,7 @@ def layout_of(name: str, head_dim: int) -> str:
 
 def _read(transport, key: str, plan) -> float:
     t0 = time.perf_counter()
-    xfer = ChunkedRead(transport, key, plan, b"")
-    deadline = t0 + 60
-    while (state := xfer.advance()) != DONE:
-        if state == FAILED or time.perf_counter() > deadline:
-            raise RuntimeError(xfer.error or "READ timed out")
-        time.sleep(POLL_S)
+    poll_to_done(transport, [ChunkedRead(transport, key, plan, b"")])
     return time.perf_counter() - t0
 
 

@@ -40,7 +40,8 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _poll(transport, xfers) -> None:
+def poll_to_done(transport, xfers) -> None:
+    """Advance every ``ChunkedRead`` until DONE (RuntimeError on a failure or after 60 s)."""
     deadline = time.perf_counter() + 60
     pending = list(xfers)
     while pending:
@@ -90,7 +91,7 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
             for rep in range(reps + 1):  # the first pays UCX's connection set-up: not counted
                 t0 = time.perf_counter()
                 xfers = [ChunkedRead(rank.transport, keys[r], plan, b"") for r, plan in plans_of.items()]
-                _poll(rank.transport, xfers)
+                poll_to_done(rank.transport, xfers)
                 connector = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 handles = []
