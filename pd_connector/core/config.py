@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from pd_connector.core import trust
+
 DEFAULT_SIDE_CHANNEL_PORT = 5660
 
 
@@ -82,6 +84,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # config itself, because vLLM logs kv_connector_extra_config verbatim at start-up.
     # Unset: no authentication (bind the side channel to a private address then).
     shared_secret_file: str = ""
+    # D (docs/security.md): the prefill hosts D may contact for a handoff, as written in the
+    # params: addresses, networks ("10.0.0.0/16"), host names (never resolved to be checked),
+    # "local" (this host's loopback, names and addresses) or "*". Unset: "local" without a
+    # shared secret (a client of D cannot aim it at another host), "*" with one (the seal
+    # already proves P issued the address). Set with a secret, both must pass.
+    allowed_prefill_hosts: list[str] | None = None
     # P sends a SHA-256 of the recurrent-state pages with each claim grant; D recomputes it
     # after the READ and recomputes the prompt on a mismatch. Costs a read of the state pages.
     verify_state_digest: bool = False
@@ -105,6 +113,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     # Filled by parse_settings from the file or the environment; excluded from repr.
     secret: bytes = msgspec.field(default=b"", name="_secret")
+
+    def prefill_hosts(self) -> list[str]:
+        """``allowed_prefill_hosts`` with its default filled in (see the setting)."""
+        if self.allowed_prefill_hosts is not None:
+            return list(self.allowed_prefill_hosts)
+        return [trust.ANY_HOST] if self.secret else [trust.LOCAL_HOST]
 
     def progress_delay_for(self, mem_type: str) -> int:
         """NIXL progress-thread poll delay (µs) for KV pages in ``mem_type`` memory."""
@@ -132,6 +146,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             # `not value > 0` also refuses NaN, which would make every deadline comparison false.
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        # Equal is allowed: the first lease (at most the claim deadline) then ends at or before the
+        # cap, so every claim P accepts gets a positive hold. Below, a claim inside the deadline
+        # but past the cap could only be confirmed a 0 s hold (P refuses it as expired).
+        if self.max_hold_seconds < self.claim_deadline_seconds:
+            raise ValueError(
+                f"max_hold_seconds={self.max_hold_seconds:g} is below claim_deadline_seconds="
+                f"{self.claim_deadline_seconds:g}: P would free a handoff's blocks before D's time to "
+                "claim it ends, and refuse claims that arrive in between. Raise max_hold_seconds to at "
+                "least claim_deadline_seconds, or lower claim_deadline_seconds"
+            )
         if not (0 <= self.idle_step_wait_ms <= 1000):
             raise ValueError(f"idle_step_wait_ms must be between 0 and 1000, got {self.idle_step_wait_ms}")
         if self.nixl_progress_delay_us is not None and not 0 <= self.nixl_progress_delay_us <= 1_000_000:
@@ -146,6 +170,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"max_checkpoint_recompute must be >= 0, got {self.max_checkpoint_recompute}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")
+        if self.allowed_prefill_hosts is not None:
+            trust.parse_allow_list(self.allowed_prefill_hosts)  # ValueError naming a bad entry
         if not self.nixl_backends or not all(b.strip() for b in self.nixl_backends):
             raise ValueError(f"nixl_backends must name NIXL backends, got {self.nixl_backends}")
 

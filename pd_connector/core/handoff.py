@@ -19,12 +19,18 @@ from collections.abc import Callable
 
 import msgspec
 
+from pd_connector.core import trust
 from pd_connector.core.params import (
     KEY_BLOCK_SIZES,
+    KEY_FIRST_TOKEN,
     KEY_MIN_RECOMPUTE,
     MAX_DECODE_REQUESTS,
     HandoffParams,
+    LeaseRef,
+    decode_checkpoints,
     decode_handoff_params,
+    release_target,
+    sealed_fields,
 )
 from pd_connector.core.fingerprint import FINGERPRINT_VERSION, form_of
 from pd_connector.core.protocol import PROTOCOL_VERSION, CheckpointBlocks, ProtocolError
@@ -84,10 +90,12 @@ class HandoffPlan(msgspec.Struct, frozen=True):
     """What P does with one prompt: compute and hand over ``offset`` tokens (D recomputes the
     rest). ``checkpoint``: vLLM's prompt checkpoint for the whole prompt (where an engine that
     served it alone keeps the Mamba state for the next turn); 0 without prefix caching of
-    recurrent state."""
+    recurrent state. ``first_token``: zero replay: the offset is the whole prompt and P's first
+    sampled token travels with the handoff (D's prompt is the N tokens plus it)."""
 
     offset: int
     checkpoint: int = 0
+    first_token: bool = False
 
 
 def plan_handoff(
@@ -96,8 +104,15 @@ def plan_handoff(
     requested_min_recompute: int = 0,
     configured_min_recompute: int = 0,
     max_checkpoint_recompute: int = 0,
+    first_token: bool = False,
 ) -> HandoffPlan:
     """P's single decision: how many prompt tokens to compute and hand over.
+
+    ``first_token``: the router carries P's first sampled token to D (``pd_resume``). When
+    the tail is one token, that token's position is the one D computes: P computes the whole
+    prompt as aggregated serving does (same chunks, same checkpoints) and hands over R = N
+    (zero replay). A longer tail (multi-module MTP's lookahead, a D or setting that asks for
+    more) needs prompt positions recomputed on D: the replay plan below.
 
     The recompute tail left to D is the largest of three floors: P's own
     (``min_recompute_tokens(profile)``), ``requested_min_recompute``, D's requirement when the
@@ -118,11 +133,13 @@ def plan_handoff(
     if num_prompt_tokens <= 0:
         return HandoffPlan(0)
     tail = max(min_recompute_tokens(profile), requested_min_recompute, configured_min_recompute, 0)
-    offset = max(0, num_prompt_tokens - tail)
     unit = profile.replay_grid
+    checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop) if unit > 0 else 0
+    if first_token and tail == 1:
+        return HandoffPlan(num_prompt_tokens, checkpoint, first_token=True)
+    offset = max(0, num_prompt_tokens - tail)
     if unit <= 0:
         return HandoffPlan(offset)
-    checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop)
     if 0 < checkpoint <= offset and offset - checkpoint <= max_checkpoint_recompute:
         offset = checkpoint
     return HandoffPlan(offset, checkpoint)
@@ -197,12 +214,15 @@ class Refused(msgspec.Struct, frozen=True):
     """D cannot honour the handoff; it recomputes the prompt locally.
 
     ``kind`` is a stable label for metrics; ``reason`` is the human-readable log text.
-    ``params`` is set when the handoff itself decoded (so P can still be told to release).
+    ``params`` is set when the handoff itself decoded. ``release`` is the P D may tell to free
+    the blocks now: only one it trusts (core/trust.py), else None and P frees them at its claim
+    deadline, so a forged handoff never makes D contact the address it names.
     """
 
     kind: str
     reason: str
     params: HandoffParams | None = None
+    release: LeaseRef | None = None
 
 
 Decision = Accepted | Refused
@@ -214,6 +234,9 @@ def decide_on_decode(
     profile: RecomputeProfile,
     num_groups: int | None = None,
     prompt_fingerprint: Callable[[int, str], str | None] | None = None,
+    trust_in: trust.Trust = trust.Trust(),
+    now: float = 0.0,
+    prompt_token_at: Callable[[int], int] | None = None,
 ) -> Decision:
     """D's validation of P's ``kv_transfer_params``. Never raises on bad input.
 
@@ -221,10 +244,17 @@ def decide_on_decode(
     the documented rule for that case: the handoff is refused with kind ``missing_offset`` and D
     prefills the prompt itself. Wrong output is never an option, a local recompute always is.
 
+    Trust comes first (``trust_in``: the seal under a shared secret, P's host against the
+    allow-list, at wall-clock ``now``): every later refusal releases P, and only a trusted P may
+    be contacted at all.
+
     ``num_groups`` is D's number of transferred KV-cache groups. A different count means the two
     engines lay out their caches differently (e.g. a drafter with its own KV on one side only);
     that is checked before the offset, so the refusal names the structural cause, which no
     routing hint can fix, rather than an offset a hint would only move.
+
+    ``prompt_token_at(i)`` is D's prompt token i: with zero replay (``pd_first_token``) D's
+    prompt must be P's R tokens plus that token.
 
     ``prompt_fingerprint(R, P's fingerprint)`` is this instance's fingerprint of its own first R
     prompt tokens in the form P used (core/fingerprint.py; None: it cannot compute one in that
@@ -234,17 +264,91 @@ def decide_on_decode(
     try:
         params = decode_handoff_params(raw_params)
     except ProtocolError as exc:
-        return Refused(kind=exc.kind, reason=str(exc))
+        return Refused(kind=exc.kind, reason=str(exc), release=_untrusted_release(raw_params, trust_in))
+    distrust = trust_refusal(params, raw_params, trust_in, now)
+    if distrust is not None:
+        return Refused(kind=distrust[0], reason=distrust[1], params=params)
     offset = params.replay_offset
-    refused = _offset_refusal(params, num_prompt_tokens, profile, num_groups)
+    # The first-token check names the cause (a router that did not carry P's token) before the
+    # offset check would call the same prompt merely too short.
+    refused = _first_token_refusal(params, num_prompt_tokens, prompt_token_at) or _offset_refusal(
+        params, num_prompt_tokens, profile, num_groups
+    )
     if refused is not None:
-        return refused
+        return msgspec.structs.replace(refused, release=params.lease)
     if offset > 0 and prompt_fingerprint is not None:
         theirs = params.pd_prompt_fingerprint
         mismatch = _prompt_mismatch(prompt_fingerprint(offset, theirs), theirs, offset, num_prompt_tokens)
         if mismatch:
-            return Refused(kind="prompt_mismatch", reason=mismatch, params=params)
+            return Refused(kind="prompt_mismatch", reason=mismatch, params=params, release=params.lease)
     return Accepted(offset=offset, params=params)
+
+
+def trust_refusal(
+    params: HandoffParams, raw_params: object, trust_in: trust.Trust, now: float
+) -> tuple[str, str] | None:
+    """Why D may not act on (or contact the P of) decoded params: the seal under a shared
+    secret, then P's host against the allow-list; None when D may."""
+    if trust_in.key:
+        try:
+            checkpoints = decode_checkpoints(raw_params)
+        except ProtocolError as exc:
+            return "unauthenticated", f"the sealed handoff's checkpoints do not decode ({exc})"
+        refusal = trust.seal_refusal(trust_in.key, sealed_fields(params, checkpoints), params.pd_handoff_seal, now)
+        if refusal is not None:
+            return refusal
+    return trust.host_refusal(trust_in.hosts, params.remote_host, sealed=bool(trust_in.key))
+
+
+def trusted_release_target(raw_params: object, trust_in: trust.Trust, now: float) -> LeaseRef | None:
+    """The P D may release for params it will not load (a request rejected before reaching the
+    engine): decoded and trusted ones, or without a secret broken ones on an allowed host."""
+    try:
+        params = decode_handoff_params(raw_params)
+    except ProtocolError:
+        return _untrusted_release(raw_params, trust_in)
+    return params.lease if trust_refusal(params, raw_params, trust_in, now) is None else None
+
+
+def _untrusted_release(raw_params: object, trust_in: trust.Trust) -> LeaseRef | None:
+    """Params too broken to decode: under a secret nothing can vouch for their address (P frees
+    at its claim deadline); without one, released only on an allowed host."""
+    if trust_in.key:
+        return None
+    target = release_target(raw_params)
+    return target if target is not None and trust_in.hosts.allows(target.host) else None
+
+
+def _first_token_refusal(
+    params: HandoffParams, num_prompt_tokens: int, prompt_token_at: Callable[[int], int] | None
+) -> Refused | None:
+    """Zero replay: D's prompt must be P's R tokens plus P's first token, so D's first forward
+    is that token's position on top of the state after R."""
+    first = params.pd_first_token
+    if first is None:
+        return None
+    offset = params.replay_offset
+    if num_prompt_tokens != offset + 1:
+        return Refused(
+            kind="resume_mismatch",
+            reason=(
+                f"the prefill instance resumed at its first token ({KEY_FIRST_TOKEN}) after {offset} "
+                f"prompt tokens, so this instance's prompt must be those plus that token ({offset + 1} "
+                f"tokens), not {num_prompt_tokens}: the router sent the client's prompt instead of "
+                "carrying P's first token"
+            ),
+            params=params,
+        )
+    if prompt_token_at is not None and prompt_token_at(offset) != first:
+        return Refused(
+            kind="first_token_mismatch",
+            reason=(
+                f"token {offset} of this instance's prompt is {prompt_token_at(offset)}, but the prefill "
+                f"instance sampled {first} there ({KEY_FIRST_TOKEN}): altered in transit"
+            ),
+            params=params,
+        )
+    return None
 
 
 def _offset_refusal(
@@ -342,4 +446,6 @@ __all__ = [
     "plan_handoff",
     "requested_decode_requests",
     "requested_min_recompute",
+    "trust_refusal",
+    "trusted_release_target",
 ]

@@ -27,8 +27,9 @@ once (``ENDED``), not left pending.
 
 The deadline is the one exception, on purpose: a lease ends at its deadline even under a
 granted READ, and no claim or extension moves it past ``max_hold`` after the grant, so P's hold
-is bounded whatever the link or D does. D trusts a READ only if it completed inside the hold P
-confirmed (``read_hold.py``); one that outlived the lease fails and is recomputed.
+is bounded whatever the link or D does (a claim past that cap is refused as ``EXPIRED``). D
+trusts a READ only if it completed inside the hold P confirmed (``read_hold.py``); one that
+outlived the lease fails and is recomputed.
 """
 
 from __future__ import annotations
@@ -176,6 +177,14 @@ class LeaseTable:
             return UNKNOWN, f"no lease for request {request_id} on this prefill instance"
         if lease.deadline <= now:
             return EXPIRED, f"the lease of {request_id} has expired"
+        if lease.cap <= now:
+            # A grant now would confirm a 0 s hold: D would READ, fail it as lease_lost and
+            # recompute. Any positive hold is granted: no floor fits every READ size and link, and a
+            # READ outliving a short hold is failed by D's check (read_hold) as a refusal would be.
+            return EXPIRED, (
+                f"the lease of {request_id} reached P's hold cap ({self.max_hold:g} s after its grant, "
+                "max_hold_seconds): no claim is granted past it"
+            )
         claimed = _frozen(block_ids)
         if offset != lease.offset or claimed != lease.block_ids:
             return MISMATCH, (

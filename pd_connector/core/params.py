@@ -13,6 +13,7 @@ from typing import Annotated
 import msgspec
 
 # MAX_BLOCK_ID and BlockId are the params' block ids too (re-exported: tests and callers import them here).
+from pd_connector.core import trust
 from pd_connector.core.protocol import (  # noqa: F401
     MAX_BLOCK_ID,
     MAX_TP,
@@ -42,9 +43,22 @@ KEY_CHECKPOINTS = "pd_checkpoints"
 # P -> D: P's block size per transfer group (0 for a Mamba group): D pairs P's blocks by the
 # tokens they hold (core/pairing.py sub_block_pairs) and checks them against P's handshake.
 KEY_BLOCK_SIZES = "pd_block_sizes"
+# Router -> P: how the router resumes D (RESUME_MODES). "first_token": the router carries P's
+# first sampled token to D (D's prompt is P's N tokens plus it), so P computes the whole prompt
+# and hands over R = N (zero replay); "replay" (the default: routers that send D the client's
+# request unchanged): P hands over R < N and D recomputes [R, N).
+KEY_RESUME = "pd_resume"
+RESUME_FIRST_TOKEN = "first_token"
+RESUME_REPLAY = "replay"
+RESUME_MODES = (RESUME_FIRST_TOKEN, RESUME_REPLAY)
+# P -> D: the first token P sampled, when P resumed D there (zero replay); D's prompt token R
+# must be it. Sealed with the rest (core/trust.py).
+KEY_FIRST_TOKEN = "pd_first_token"
 # Largest block size a peer may announce (vLLM's hybrid alignment reaches a few thousand).
 MAX_BLOCK_SIZE = 1 << 20
 CHECKPOINTS_VERSION = 1
+# Largest token id a handoff may name (vocabularies stay far below; bounds the field).
+MAX_TOKEN_ID = (1 << 31) - 1
 # Most checkpoints one handoff may carry (vLLM keeps at most two per prompt; bounds the claim).
 MAX_CHECKPOINTS = 16
 # Largest pd_decode_requests P accepts (vLLM's own n is unbounded; a lease waits for each).
@@ -103,6 +117,13 @@ class HandoffParams(msgspec.Struct, frozen=True):
     # P's block size per transfer group, 0 for Mamba groups (None: a P that does not say; D
     # then pairs with its own sizes, which the handshake confirms or refuses).
     pd_block_sizes: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]] | None = None
+    # The first token P sampled when it resumed D there (zero replay): D's prompt is P's R
+    # tokens plus this one. None: D recomputes [R, N) of the client's prompt (replay).
+    pd_first_token: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)] | None = None
+    # P's wall clock (Unix seconds) past which no D should act on the handoff: P's hold cap.
+    pd_expires_at: Annotated[float, msgspec.Meta(ge=0, le=1e11)] | None = None
+    # HMAC-SHA256 over every field above and the checkpoints, with a shared secret (core/trust.py).
+    pd_handoff_seal: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
     @property
     def lease(self) -> LeaseRef:
@@ -124,12 +145,16 @@ def encode_handoff_params(
     lease_seconds: float | None = None,
     checkpoints: list[CheckpointBlocks] | None = None,
     block_sizes: list[int] | None = None,
+    first_token: int | None = None,
+    expires_at: float = 0.0,
+    seal_key: bytes = b"",
 ) -> dict:
     """The ``kv_transfer_params`` P returns: NixlConnector's fields (vllm/distributed/
     kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished), so existing routers
     work unchanged, plus ``replay_offset``, the protocol version, the prompt fingerprint,
-    P's initial lease length, its block sizes and, when there are any, the prompt checkpoints
-    below the offset."""
+    P's initial lease length, its block sizes, the prompt checkpoints below the offset when there
+    are any, the first token P sampled when it resumed D there, the expiry and, with a shared
+    secret (``seal_key``), the seal over all of it."""
     params = {
         "do_remote_prefill": offset > 0,
         "do_remote_decode": False,
@@ -156,7 +181,34 @@ def encode_handoff_params(
             "version": CHECKPOINTS_VERSION,
             "states": [{"position": c.position, "block_ids": c.block_ids} for c in checkpoints],
         }
+    if first_token is not None:
+        params[KEY_FIRST_TOKEN] = first_token
+    params[trust.KEY_EXPIRES_AT] = expires_at
+    if seal_key:
+        decoded = msgspec.convert({k: v for k, v in params.items() if k in HandoffParams.__struct_fields__}, HandoffParams)
+        params[trust.KEY_SEAL] = trust.seal(seal_key, sealed_fields(decoded, list(checkpoints or ())))
     return params
+
+
+def sealed_fields(params: HandoffParams, checkpoints: list[CheckpointBlocks]) -> trust.SealedFields:
+    """What the seal covers, from decoded values (the same on P, which issues them, and D)."""
+    return trust.SealedFields(
+        protocol_version=params.pd_protocol_version,
+        replay_offset=params.replay_offset,
+        remote_num_tokens=params.remote_num_tokens,
+        engine_id=params.remote_engine_id,
+        request_id=params.remote_request_id,
+        host=params.remote_host,
+        port=params.remote_port,
+        tp_size=params.tp_size,
+        block_ids=params.remote_block_ids,
+        block_sizes=params.pd_block_sizes,
+        fingerprint=params.pd_prompt_fingerprint,
+        lease_seconds=params.pd_lease_seconds,
+        checkpoints=checkpoints,
+        first_token=params.pd_first_token,
+        expires_at=params.pd_expires_at or 0.0,
+    )
 
 
 class _Checkpoints(msgspec.Struct, frozen=True):

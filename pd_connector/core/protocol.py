@@ -31,7 +31,9 @@ from pd_connector.core.pairing import recut_ratio
 #   6: prompt checkpoints below the offset: pd_checkpoints in the params (their own version,
 #      CHECKPOINTS_VERSION in params.py), the ones D reads in Claim.checkpoints.
 #   7: attention blocks of different sizes: pd_block_sizes in the params, LayerRegion.token_layout.
-PROTOCOL_VERSION = 7
+#   8: the resume contract and trust: pd_first_token (zero replay), pd_expires_at and, with a
+#      shared secret, pd_handoff_seal over every field D acts on (core/trust.py).
+PROTOCOL_VERSION = 8
 
 # Largest tensor-parallel size a peer may announce (bounds the ports and peers D derives).
 MAX_TP = 1024

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.core import handoff, ranks
+from pd_connector.core import handoff, ranks, trust
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.engine.checkpoint_pool import CheckpointPool, checkpoint_rule_from_vllm
 from pd_connector.engine.decode.scheduler import DecodeScheduler
@@ -18,6 +18,7 @@ from pd_connector.engine.from_vllm.config import dp_placement, layouts_from_kv_c
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.prefill.scheduler import PrefillScheduler
+from pd_connector.transport.host_addresses import local_host_names
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -25,6 +26,20 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.pd_connector")
+
+
+def trust_from_settings(settings: ConnectorSettings) -> trust.Trust:
+    """D's trust (core/trust.py): the seal key from the shared secret and the allowed P hosts,
+    this host's own names resolved once here."""
+    hosts = settings.prefill_hosts()
+    local = local_host_names() if trust.LOCAL_HOST in hosts else ()
+    allowed = trust.parse_allow_list(hosts, local)
+    if not settings.secret:
+        logger.info(
+            "pd_connector: no shared secret: as a decode instance this engine loads only from "
+            "prefill hosts on allowed_prefill_hosts (%s)", allowed.describe()
+        )
+    return trust.Trust(key=trust.seal_key(settings.secret), hosts=allowed)
 
 
 class SchedulerSide:
@@ -63,6 +78,7 @@ class SchedulerSide:
             self.recorder,
             form,
             checkpoint_pool=self.checkpoints,
+            trust_in=trust_from_settings(settings),
         )
         logger.info(
             "pd_connector scheduler: engine %s (DP rank %d), groups %s, min recompute %d token(s), "

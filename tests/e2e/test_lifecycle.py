@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.core.fingerprint import fingerprint
-from pd_connector.dev.rig.cpu_matrix import random_prompt
+from pd_connector.dev.rig.cpu_matrix import E2E_SECRET, random_prompt
 from pd_connector.dev.rig.oracle import compare, parse_completion
 from pd_connector.dev.rig.ports import free_port
 
@@ -47,20 +47,28 @@ def cache_empty_within(stack, seconds: float, servers=None) -> dict:
         time.sleep(0.2)
 
 
+def sealed(stack) -> bool:
+    """P seals its handoffs (a shared secret): D refuses edited params before contacting P."""
+    return stack.kind in E2E_SECRET
+
+
 def test_a_fingerprint_rewritten_for_another_prompt_is_refused_by_p(stack):
     """D gets prompt A with P's params for prompt B, the fingerprint rewritten to A's: D's own
-    check passes; P compares the claimed fingerprint with the one it computed and refuses."""
+    check passes; P compares the claimed fingerprint with the one it computed and refuses.
+    With a shared secret D already refuses the edit (the seal), and never claims."""
     n = 80
     a, b = random_prompt(n, seed=21), random_prompt(n, seed=22)
     params = stack.prefill_only(b)
     params["pd_prompt_fingerprint"] = fingerprint(a, params["replay_offset"])
-    refused = event(stack.prefill, "claim_refused:prompt_mismatch")
+    counter = (stack.decode, "refused:unauthenticated") if sealed(stack) else (stack.prefill, "claim_refused:prompt_mismatch")
+    refused = event(*counter)
     got = stack.decode_with(a, params, MAX_TOKENS)
     assert check(stack.reference(a, MAX_TOKENS), got).ok
-    assert "is not the one of the 79 tokens this instance computed" in stack.prefill.log_text()
+    if not sealed(stack):
+        assert "is not the one of the 79 tokens this instance computed" in stack.prefill.log_text()
     deadline = time.monotonic() + 10
-    while event(stack.prefill, "claim_refused:prompt_mismatch") < refused + 1:
-        assert time.monotonic() < deadline, "P did not count the refused claim"
+    while event(*counter) < refused + 1:
+        assert time.monotonic() < deadline, f"{counter[1]} not counted"
         time.sleep(0.2)
 
 
@@ -131,6 +139,8 @@ REFUSED = {
         "expired without the decode instance finishing its read",
     ),
 }
+EXPIRED = REFUSED["unreachable_p_address"][1]
+PARAMS_EDITED = ("block_ids_tampered", "wrong_engine_id", "unreachable_p_address")
 
 
 def test_every_refused_handoff_frees_p_within_seconds_not_at_the_lease_end(stack):
@@ -146,7 +156,11 @@ def test_every_refused_handoff_frees_p_within_seconds_not_at_the_lease_end(stack
     left = cache_empty_within(stack, 10)
     assert not left, f"P's KV cache still in use 10 s after the refusals: {left}"
     log = stack.prefill.log_text()
-    missing = [case for case, (_, line) in REFUSED.items() if line not in log]
+    # Sealed: D refuses edited params without contacting P, whose claim deadline frees them.
+    expected = {
+        case: EXPIRED if sealed(stack) and case in PARAMS_EDITED else line for case, (_, line) in REFUSED.items()
+    }
+    missing = [case for case, line in expected.items() if line not in log]
     assert not missing, f"P's log does not say why for {missing}"
 
 

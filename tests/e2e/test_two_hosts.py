@@ -59,7 +59,9 @@ def net():
 
 @pytest.fixture(scope="module")
 def pair(net, models_root, artifacts):
-    ucx_tables = {"UCX_PROTO_INFO": "y"}
+    # Across hosts D contacts P only under a shared secret (or an allow-list naming P): the
+    # production setup, so every handoff here is sealed by P and checked by D.
+    ucx_tables = {"UCX_PROTO_INFO": "y", "PD_CONNECTOR_SHARED_SECRET": "two-hosts-secret"}
     config = StackConfig(
         model=str(build_model("llama", models_root)),
         server_args=CPU_MODELS["llama"],

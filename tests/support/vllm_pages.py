@@ -48,6 +48,8 @@ class Layers:
     arch: Any = None  # a real ModelArchitectureConfig for heterogeneous checkpoints
     nixl: bool = False  # register each rank with its own NIXL agent (``Rank.transport``)
     backend: Any = None  # every layer's vLLM attention backend class (its token layout)
+    model_dtype: Any = torch.bfloat16  # the model's dtype (vLLM CPU picks its ISA by it)
+    vllm_config: Any = None  # a real VllmConfig to describe the pages with, instead of ``model_stub``
 
     def total(self, layer: str) -> int:
         return self.heads_of.get(layer, self.kv_heads)
@@ -65,17 +67,20 @@ class Layers:
         return Rank(self, tp, r, seed, num_blocks, self.nixl)
 
 
-def plain_attention(head_size: int = 8, block_size: int = 4, pad_per_head: int = 0, **kw) -> Callable[[int, int], Any]:
-    """``spec_of`` for vLLM's plain attention (bf16 ``FullAttentionSpec``); ``pad_per_head``
+def plain_attention(
+    head_size: int = 8, block_size: int = 4, pad_per_head: int = 0, dtype: Any = torch.bfloat16, **kw
+) -> Callable[[int, int], Any]:
+    """``spec_of`` for vLLM's plain attention (``FullAttentionSpec``, bf16 unless ``dtype``: uint8 is
+    vLLM's fp8 KV cache); ``pad_per_head``
     pads the page (``page_size_padded``) by that much per head on the rank, so P's and D's pages
     pad alike per head, the case no size check tells from an unpadded page."""
 
     def spec_of(tp: int, heads: int) -> Any:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        padded = heads * (2 * head_size * 2 * block_size + pad_per_head) if pad_per_head else None
+        padded = heads * (2 * head_size * dtype.itemsize * block_size + pad_per_head) if pad_per_head else None
         return FullAttentionSpec(
-            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16,
+            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
             page_size_padded=padded, **kw,
         )
 
@@ -85,7 +90,8 @@ def plain_attention(head_size: int = 8, block_size: int = 4, pad_per_head: int =
 def model_stub(layers: Layers) -> Any:
     """The little of VllmConfig ``describe_shards`` reads for attention layers."""
     model = SimpleNamespace(
-        get_total_num_kv_heads=lambda: layers.kv_heads, model_arch_config=layers.arch, use_mla=layers.replicated
+        get_total_num_kv_heads=lambda: layers.kv_heads, model_arch_config=layers.arch, use_mla=layers.replicated,
+        dtype=layers.model_dtype,
     )
     context = {name: SimpleNamespace(attn_backend=layers.backend) for name in layers.layers} if layers.backend else None
     compilation = SimpleNamespace(static_forward_context=context) if context else None
@@ -126,7 +132,7 @@ class Rank:
         group_ids = tuple(range(len(groups)))
         _, regions = regions_from_kv_caches(self.kv_cache_config, self.views, group_ids)
         self.regions: list[LayerRegion] = describe_shards(
-            model_stub(model), self.kv_cache_config, group_ids, regions, r, tp, self.views
+            model.vllm_config or model_stub(model), self.kv_cache_config, group_ids, regions, r, tp, self.views
         )
         self.base = self.flat.data_ptr()
         self.transport = None

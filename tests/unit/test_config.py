@@ -446,6 +446,42 @@ def test_claim_wait_seconds_out_of_range_is_refused(value):
         parse({"claim_wait_seconds": value})
 
 
+# --- the hold cap and the claim deadline ------------------------------------------------------
+
+
+def test_a_hold_cap_below_the_claim_deadline_is_refused_naming_both_and_the_fix():
+    """Regression: max_hold_seconds 10 with claim_deadline_seconds 30 was accepted; a claim 10 to
+    30 s after the prefill was then granted a 0 s hold (D read, discarded it as lease_lost and
+    recomputed)."""
+    with pytest.raises(ValueError) as info:
+        parse({"max_hold_seconds": 10, "claim_deadline_seconds": 30})
+    message = str(info.value)
+    assert "max_hold_seconds=10" in message and "claim_deadline_seconds=30" in message
+    assert "Raise max_hold_seconds" in message
+    with pytest.raises(ValueError, match="claim_deadline_seconds=30"):
+        parse(None, {"PD_CONNECTOR_MAX_HOLD_SECONDS": "10", "PD_CONNECTOR_CLAIM_DEADLINE_SECONDS": "30"})
+    with pytest.raises(ValueError, match="max_hold_seconds=10"):
+        parse({"max_hold_seconds": 10})  # against the default claim deadline (30 s)
+
+
+def test_negative_control_a_hold_cap_equal_to_or_above_the_claim_deadline_is_accepted():
+    assert parse({"max_hold_seconds": 30, "claim_deadline_seconds": 30}).max_hold_seconds == 30
+    assert parse({"max_hold_seconds": 31, "claim_deadline_seconds": 30}).max_hold_seconds == 31
+    assert parse({"max_hold_seconds": 10, "claim_deadline_seconds": 10}).claim_deadline_seconds == 10
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1e-3, 1e6), st.floats(1e-3, 1e6))
+def test_hold_cap_accepted_iff_at_least_the_claim_deadline(hold, claim):
+    try:
+        parse({"max_hold_seconds": hold, "claim_deadline_seconds": claim})
+    except ValueError as exc:
+        assert hold < claim, exc
+        assert "max_hold_seconds" in str(exc) and "claim_deadline_seconds" in str(exc)
+    else:
+        assert hold >= claim
+
+
 # --- docs/configuration.md is the reference: every key, its default --------------------------
 
 

@@ -586,6 +586,42 @@ def test_no_claim_or_extension_keeps_a_lease_past_max_hold():
     assert t.held_seconds("a", 10.0) == 0.0 and not t.extend("a", 10.0, 15.0)
 
 
+def test_a_claim_past_the_hold_cap_is_refused_as_expired_not_granted_a_0s_hold():
+    """Regression: with the cap (10 s) below the claim deadline (30 s), a claim 20 s after the
+    grant found the lease live and was granted a hold capped at 0 s: D read, discarded the READ
+    as lease_lost and recomputed. Now refused as expired, and nothing is granted."""
+    t = LeaseTable(max_hold=10.0)
+    t.grant("a", deadline=30.0, offset=4, block_ids=[[1]], now=0.0)
+    for now in (20.0, 10.0):  # past the cap, and at it (a 0 s hold either way)
+        outcome, why = t.claim("a", 4, [[1]], now=now, extend_to=now + 120.0, reader="d#0")
+        assert outcome == EXPIRED and "hold cap" in why and "max_hold_seconds" in why
+    assert t.held_seconds("a", 20.0) == 10.0  # the refused claim moved nothing
+    assert t.expire(30.0) == ["a"] and t.expired_reading_total == 0  # no READ was granted
+
+
+def test_negative_control_a_claim_just_inside_the_hold_cap_is_still_granted_what_is_left():
+    t = LeaseTable(max_hold=10.0)
+    t.grant("a", deadline=30.0, offset=4, block_ids=[[1]], now=0.0)
+    assert t.claim("a", 4, [[1]], now=9.0, extend_to=129.0, reader="d#0")[0] == GRANTED
+    assert t.held_seconds("a", 9.0) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.5, 100.0), st.floats(0.5, 100.0), st.floats(0.0, 150.0), st.floats(0.0, 200.0),
+)  # fmt: skip
+def test_every_granted_claim_confirms_a_positive_hold(max_hold, deadline, now, lease):
+    """Whatever the cap, first deadline and claim time: a claim is granted iff the hold it would
+    confirm is positive, else refused as expired."""
+    t = LeaseTable(max_hold=max_hold)
+    t.grant("a", deadline=deadline, offset=0, block_ids=[[1]], now=0.0)
+    outcome, _ = t.claim("a", 0, [[1]], now=now, extend_to=now + lease, reader="d#0")
+    if now < min(deadline, max_hold):
+        assert outcome == GRANTED and t.held_seconds("a", now) > 0
+    else:
+        assert outcome == EXPIRED
+
+
 def test_an_expiry_after_every_reader_completed_is_not_counted_as_under_a_read():
     t = LeaseTable()
     t.grant("a", deadline=3.0, offset=4, block_ids=[[1]], requests=2, now=0.0)

@@ -38,6 +38,19 @@ TOTAL_HEADS = 4
 MAX_TOKENS = 1024
 
 
+@pytest.fixture(autouse=True)
+def vec_host(monkeypatch):
+    """These tests are about the vec kernels' layout: vLLM picks AMX for a bf16 model on a host
+    with AMX tiles (``_get_attn_isa`` asks ``torch.cpu._is_amx_tile_supported``), so run as on one
+    without."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+@pytest.fixture
+def amx_host(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+
+
 def model(kv_heads: int, block: int) -> Layers:
     return Layers(kv_heads, plain_attention(head_size=HEAD_SIZE, block_size=block), backend=CPUAttentionBackend)
 
@@ -120,6 +133,56 @@ def test_cpu_attention_pages_get_the_vec_kernels_token_layout():
     rank = model(4, 32).rank(1, 0, seed=None)
     want = block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, HEAD_SIZE)
     assert {r.token_layout for r in rank.regions} == {want}
+
+
+def fp8_cache_model(model_dir: str, model_dtype: str, isa_on_layers: bool = True) -> Layers:
+    """The tiny Llama (2 KV heads of 32) as ``model_dtype`` with an fp8 KV cache (uint8 pages),
+    its attention layers built by vLLM (backend chosen by the platform) and, as the model runner
+    does before register_kv_caches, vLLM's metadata builder run on them (it sets each layer's ISA)."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    block = 32
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype=model_dtype, seed=0, max_model_len=256),
+        cache_config=CacheConfig(block_size=block, cache_dtype="fp8"),
+        device_config=DeviceConfig("cpu"),
+    )
+    layers = Layers(2, plain_attention(head_size=HEAD_SIZE, block_size=block, dtype=torch.uint8), vllm_config=config)
+    with set_current_vllm_config(config):
+        for name in layers.layers:
+            Attention(4, HEAD_SIZE, HEAD_SIZE**-0.5, 2, cache_config=config.cache_config, prefix=name)
+        if isa_on_layers:
+            spec = layers.spec_of(1, 2)
+            CPUAttentionBackend.get_builder_cls()(spec, list(layers.layers), config, torch.device("cpu"))
+    return layers
+
+
+@pytest.mark.parametrize("isa_on_layers", [True, False], ids=["layer_isa", "model_dtype_rule"])
+def test_fp8_cache_of_a_bf16_model_on_an_amx_host_gets_the_amx_layout_not_vec(model_dir, amx_host, isa_on_layers):
+    """vLLM CPU picks the ISA by the model's dtype (bf16: AMX), not the fp8 cache's uint8: labelled
+    vec, P's AMX pages would be cut as vec pages. Read off the layer, or by vLLM's rule without it."""
+    rank = fp8_cache_model(model_dir, "bfloat16", isa_on_layers).rank(1, 0, seed=None)
+    assert {r.token_layout for r in rank.regions} == {"CPU_ATTN:amx"}
+
+
+def test_the_isa_vllm_set_on_the_layer_is_read_not_derived_again(model_dir, amx_host, monkeypatch):
+    """The layer's own choice wins: here the host "changes" after vLLM chose, and the rule,
+    applied again, would now say vec."""
+    layers = fp8_cache_model(model_dir, "bfloat16")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert {r.token_layout for r in layers.rank(1, 0, seed=None).regions} == {"CPU_ATTN:amx"}
+
+
+def test_negative_control_the_kv_cache_dtype_would_have_picked_vec(model_dir, amx_host):
+    """The old rule (the spec's uint8 through vLLM's _get_attn_isa) gives vec on the same host, and
+    an fp16 model's fp8 pages are vec: the layout above follows the model dtype, not a constant."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = plain_attention(head_size=HEAD_SIZE, block_size=32, dtype=torch.uint8)(1, 2)
+    assert _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, "fp8") == "vec"
+    rank = fp8_cache_model(model_dir, "float16").rank(1, 0, seed=None)
+    assert {r.token_layout for r in rank.regions} == {block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, HEAD_SIZE)}
 
 
 def test_a_backend_whose_token_layout_is_unknown_is_refused_by_name():

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pd_connector.core import handoff, pairing
+from pd_connector.core import handoff, pairing, trust
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
 from pd_connector.core.pairing import GroupLayout
-from pd_connector.core.params import LeaseRef, release_target
+from pd_connector.core.params import LeaseRef
 from pd_connector.engine import faults
 from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.from_vllm import identity
@@ -41,6 +41,14 @@ def _vllm_block_ids(blocks: "Sequence[KVCacheBlock]") -> list[int]:
     ``KVCacheBlocks.get_block_ids`` (vllm/v1/core/kv_cache_manager.py) does for every block of
     every group (a list comprehension: the fastest form on 3.11, docs/benchmarks.md)."""
     return [block.block_id for block in blocks]
+
+
+def _prompt_token_at(request: "Request"):
+    """D's prompt token i (zero replay checks P's first token there); None without token ids."""
+    tokens = request.prompt_token_ids
+    if tokens is None:
+        return None
+    return lambda i: tokens[i] if 0 <= i < len(tokens) else -1
 
 
 class Admitted(msgspec.Struct):
@@ -66,8 +74,11 @@ class DecodeScheduler:
         recorder: Recorder,
         fingerprint_form: tuple[str, int],
         checkpoint_pool: CheckpointPool | None = None,
+        trust_in: trust.Trust = trust.Trust(),
     ):
         self.settings = settings
+        # Whom D may act on and contact (core/trust.py); SchedulerSide passes the settings'.
+        self.trust = trust_in
         self.profile = profile
         self.layouts = layouts
         self._wire_block_sizes = tuple(pairing.wire_block_sizes(layouts))
@@ -115,6 +126,9 @@ class DecodeScheduler:
             request.num_prompt_tokens,
             self.profile,
             num_groups=len(self.layouts),
+            trust_in=self.trust,
+            now=time.time(),
+            prompt_token_at=_prompt_token_at(request),
             prompt_fingerprint=(
                 (lambda length, theirs: identity.fingerprint_to_check(request, length, theirs, self.fingerprint_form))
                 if check_prompt
@@ -129,9 +143,8 @@ class DecodeScheduler:
                 decision.kind,
                 decision.reason,
             )
-            target = decision.params.lease if decision.params is not None else release_target(params)
-            if target is not None:
-                self._queue_release(target, f"refused ({decision.kind}): {decision.reason}", request.request_id)
+            if decision.release is not None:
+                self._queue_release(decision.release, f"refused ({decision.kind}): {decision.reason}", request.request_id)
             return
         if not check_prompt:
             logger.warning("pd_connector: FAULT INJECTION: %s skips the prompt fingerprint check", request.request_id)
@@ -149,7 +162,11 @@ class DecodeScheduler:
                 decision = shifted
         if self._checkpoints is not None:
             withheld = self._faults is not None and self._faults.withholds_checkpoints(params)
-            placed = self._checkpoints.placeable(params, request.num_prompt_tokens, decision.offset, withheld)
+            # Zero replay: D's prompt is P's plus P's first token; the checkpoints aggregated
+            # serving keeps are those of P's prompt, R tokens long.
+            zero_replay = decision.params.pd_first_token is not None
+            prompt_len = decision.offset if zero_replay else request.num_prompt_tokens
+            placed = self._checkpoints.placeable(params, prompt_len, decision.offset, withheld)
             if placed:
                 decision = msgspec.structs.replace(decision, checkpoints=placed)
         self._decisions[request.request_id] = decision
@@ -159,7 +176,7 @@ class DecodeScheduler:
         (``notify_kv_transfer_request_rejected``, vllm/v1/engine/async_llm.py: a pre-aborted
         stand-in with prompt ``[0]`` and the original params). Release P's lease now, counted
         as what it is, not as a refused offset."""
-        target = release_target(params)
+        target = handoff.trusted_release_target(params, self.trust, time.time())
         self.recorder.count("rejected_before_engine")
         logger.info(
             "pd_connector: request %s was rejected before reaching the engine; %s",

@@ -74,7 +74,8 @@ def _token_layout(vllm_config: Any, spec: Any, layer: str) -> str:
     column-major K and row-major V; any other backend or CPU ISA by name only (pages of that
     layout are copied whole between equal block sizes, never cut). "" without a backend."""
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    backend = getattr(context.get(layer), "attn_backend", None)
+    module = context.get(layer)
+    backend = getattr(module, "attn_backend", None)
     if backend is None:
         return ""
     name = backend.get_name()
@@ -82,12 +83,16 @@ def _token_layout(vllm_config: Any, spec: Any, layer: str) -> str:
         return block_phases.INTERLEAVED
     if name != "CPU_ATTN":
         return name
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    # The ISA decides how reshape_and_cache lays K and V out (csrc/cpu/cpu_attn_<isa>.hpp). vLLM
+    # picks it from the *model* dtype, not the KV cache's (uint8 under fp8: a bf16 model's fp8
+    # pages on an AMX host are AMX), and sets it on the layer (CPUAttentionMetadataBuilder.__init__,
+    # vllm/v1/attention/backends/cpu_attn.py) before register_kv_caches: read it there first.
+    isa = getattr(module, "isa", None)
+    if not isinstance(isa, str):
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    # The ISA the backend picks for this layer (CPUAttentionMetadataBuilder.__init__): it
-    # decides how reshape_and_cache lays K and V out (csrc/cpu/cpu_attn_<isa>.hpp).
-    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
-    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype)
     if isa == "vec" and spec.head_size == spec.head_size_v:
         return block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, spec.head_size)
     return f"CPU_ATTN:{isa}"

@@ -14,11 +14,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pd_connector.core import checkpoints, handoff, pairing
+from pd_connector.core import checkpoints, handoff, pairing, trust
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import initial_lease
 from pd_connector.core.pairing import GroupLayout
-from pd_connector.core.params import KEY_DECODE_REQUESTS, KEY_MIN_RECOMPUTE, encode_handoff_params
+from pd_connector.core.params import (
+    KEY_DECODE_REQUESTS,
+    KEY_MIN_RECOMPUTE,
+    KEY_RESUME,
+    RESUME_FIRST_TOKEN,
+    RESUME_MODES,
+    encode_handoff_params,
+)
 from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.from_vllm import identity
 from pd_connector.engine.metadata import SendLease
@@ -42,6 +49,8 @@ class _Chosen(NamedTuple):
     # The shared-prefix junction P pins: the whole prompt's checkpoint, kept past the truncation
     # (handoff.checkpoint_to_keep), or a checkpoint below R for D (checkpoints.checkpoint_to_pin).
     keep: int = 0
+    # Zero replay: P computed the whole prompt, and its first sampled token goes with the handoff.
+    first_token: bool = False
 
 
 _NOTHING = _Chosen(0)
@@ -84,6 +93,8 @@ class PrefillScheduler:
         self._children: dict[str, int] = {}
         # How long P keeps a handoff before D claims or extends it (P returns it in the params).
         self._initial_lease = initial_lease(settings.claim_deadline_seconds, settings.lease_seconds)
+        # Seals every handoff P issues when P and D share a secret (core/trust.py).
+        self._seal_key = trust.seal_key(settings.secret)
 
     def take_leases(self) -> dict[str, SendLease]:
         leases, self.to_send = self.to_send, {}
@@ -103,6 +114,11 @@ class PrefillScheduler:
             request, params, KEY_DECODE_REQUESTS, handoff.requested_decode_requests, 1,
             f"an integer from 1 to {handoff.MAX_DECODE_REQUESTS}", "bad_decode_requests",
         )
+        resume = params.get(KEY_RESUME)
+        if resume is not None and resume not in RESUME_MODES:
+            logger.warning("pd_connector: request %s: ignoring %s=%r (expected one of %s)", request.request_id,
+                           KEY_RESUME, resume, ", ".join(RESUME_MODES))
+            self.recorder.count("bad_resume")
         plan = handoff.HandoffPlan(0)
         # Prompt-logprob requests skip prefix reads on D as well, and prompt embeddings have no
         # fingerprint D could check (prompt_extra_keys): nothing to hand over.
@@ -117,6 +133,7 @@ class PrefillScheduler:
                 requested,
                 self.settings.min_recompute_tokens,
                 self.settings.max_checkpoint_recompute,
+                first_token=resume == RESUME_FIRST_TOKEN,
             )
         offset = plan.offset
         fingerprint = ""
@@ -135,12 +152,13 @@ class PrefillScheduler:
             if missing:
                 self.recorder.count("p_checkpoint_not_computed", len(missing))
             drop = request.num_prompt_tokens - offset
-            del request.prompt_token_ids[offset:]
-            del request._all_token_ids[offset:]
-            request.num_prompt_tokens = offset
+            if drop:
+                del request.prompt_token_ids[offset:]
+                del request._all_token_ids[offset:]
+                request.num_prompt_tokens = offset
             logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep)
-        # P's sampled token is thrown away by the router; stop after the prefill.
+        self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep, plan.first_token)
+        # P samples one token: the router throws it away (replay) or carries it to D (zero replay).
         request.max_tokens = 1
 
     def keep_prompt_checkpoint(self, request: "Request") -> None:
@@ -175,6 +193,10 @@ class PrefillScheduler:
         if request.status.name not in _FINISHED_OK:
             self.checkpoints.drop(request.request_id)
             return False, None  # aborted or errored: nothing to hand over
+        first_token = self._first_token(request) if chosen.first_token else None
+        if chosen.first_token and first_token is None:
+            self.checkpoints.drop(request.request_id)
+            return False, self._returned_params(request, 0, [], "")
         offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
         if offset != chosen.offset:
             logger.warning(
@@ -209,7 +231,7 @@ class PrefillScheduler:
             self.checkpoints.drop(request.request_id)
             return False, self._returned_params(request, offset, source, "")
         states = self.checkpoints.hand_over(request.request_id)
-        out = self._returned_params(request, offset, source, chosen.fingerprint, states)
+        out = self._returned_params(request, offset, source, chosen.fingerprint, states, first_token)
         self.to_send[request.request_id] = SendLease(
             deadline=now + self._initial_lease,
             offset=offset,
@@ -223,6 +245,15 @@ class PrefillScheduler:
             self._sibling_params[(parent, chosen.fingerprint)] = (now + self._initial_lease, out)
         self.recorder.count("handoff_offered")
         return True, out
+
+    def _first_token(self, request: "Request") -> int | None:
+        """Zero replay: the token P sampled, which travels with the handoff; None when it ended
+        the generation (EOS, a stop token or string): the router answers from P alone and no D
+        reads, so nothing is leased."""
+        if request.output_token_ids and request.status.name == "FINISHED_LENGTH_CAPPED":
+            return request.output_token_ids[0]
+        self.recorder.count("p_finished_at_first_token")
+        return None
 
     def _count_sibling_reader(self, leased_id: str) -> None:
         """One more P child shares ``leased_id``'s lease, so one more decode request will read
@@ -254,7 +285,9 @@ class PrefillScheduler:
         shared = self._sibling_params.get((parent, fingerprint))
         return dict(shared[1]) if shared is not None else None
 
-    def _returned_params(self, request, offset: int, source: list[list[int]], fingerprint: str, states=()) -> dict[str, Any]:
+    def _returned_params(
+        self, request, offset: int, source: list[list[int]], fingerprint: str, states=(), first_token: int | None = None
+    ) -> dict[str, Any]:
         return encode_handoff_params(
             offset,
             source,
@@ -267,4 +300,8 @@ class PrefillScheduler:
             lease_seconds=self._initial_lease if offset else None,
             checkpoints=list(states),
             block_sizes=self._block_sizes,
+            first_token=first_token if offset else None,
+            # Past P's hold cap no lease can remain: D refuses the params without a round trip.
+            expires_at=time.time() + self.settings.max_hold_seconds,
+            seal_key=self._seal_key,
         )
