@@ -193,3 +193,18 @@ def host_refusal(hosts: HostAllowList, host: str, sealed: bool) -> tuple[str, st
         f"the handoff names prefill host {host!r}; {how} ({hosts.describe()}). Set "
         "PD_CONNECTOR_SHARED_SECRET on P and D, or add P's address to allowed_prefill_hosts",
     )
+
+
+def exposure_warning(side_channel_host: str, has_secret: bool) -> str:
+    """What P's start-up says when its side channel listens beyond loopback without a secret
+    ("" otherwise): what a peer that reaches it can do, and how to close it."""
+    address = _address(side_channel_host)
+    if has_secret or (address is not None and address.is_loopback) or side_channel_host == "localhost":
+        return ""
+    return (
+        f"the side channel listens on {side_channel_host} without a shared secret: any host that "
+        "reaches it can handshake (and learn this engine's NIXL agent metadata, with which NIXL "
+        "lets a peer READ any registered KV page), and claim or release a handoff whose request "
+        "id it learns. Set PD_CONNECTOR_SHARED_SECRET (or shared_secret_file) on every P and D, "
+        "or bind side_channel_host to a network only P and D share (docs/security.md)"
+    )

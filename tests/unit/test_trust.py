@@ -236,3 +236,17 @@ def test_without_a_secret_no_host_off_the_list_is_contacted(host, noise):
     if target is not None:
         assert LOCAL.allows(target.host)
     assert trusted_release_target(raw, UNSEALED, NOW) is None or LOCAL.allows(host)
+
+
+# --- start-up: what an unauthenticated side channel beyond loopback exposes ----------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "p1.cluster.local", "::"])
+def test_a_non_loopback_side_channel_without_a_secret_says_what_is_exposed(host):
+    warning = trust.exposure_warning(host, has_secret=False)
+    assert host in warning and "NIXL agent metadata" in warning and "PD_CONNECTOR_SHARED_SECRET" in warning
+
+
+@pytest.mark.parametrize("host,secret", [("127.0.0.1", False), ("::1", False), ("localhost", False), ("10.0.0.5", True)])
+def test_negative_control_loopback_or_a_secret_says_nothing(host, secret):
+    assert trust.exposure_warning(host, has_secret=secret) == ""

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pd_connector.core import trust
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import GRANTED, UNKNOWN, LeaseTable
 from pd_connector.core.protocol import (
@@ -81,6 +82,9 @@ class Sender:
             port,
             "authenticated" if settings.secret else "unauthenticated",
         )
+        exposure = trust.exposure_warning(settings.side_channel_host, bool(settings.secret))
+        if exposure and welcome.tp_rank == 0:
+            logger.warning("pd_connector: %s", exposure)
 
     # -- engine thread ---------------------------------------------------------------------
 
