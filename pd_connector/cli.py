@@ -54,6 +54,7 @@ def _prompt_tokens(text: str) -> int:
 
 # Kept here (not imported from pd_connector.proxy.routing) so that --help needs no aiohttp.
 POLICIES = ("least-loaded", "round-robin")
+RESUME_MODES = ("first-token", "replay")  # pd_connector.proxy.first_token.RESUME_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +121,13 @@ example:
         "--prefill-retries", type=_nonneg_int, default=2, metavar="N",
         help="extra prefill attempts after a P connection error, timeout or 5xx, each on "
         "another P while there is one (default: 2)")
+    proxy.add_argument(
+        "--resume", choices=RESUME_MODES, default="first-token",
+        help="how D continues after P: first-token = zero replay (P's first token goes to the "
+        "client at once and D, given the prompt's token ids plus it, computes from the second; "
+        "requests it cannot serve exactly, e.g. n > 1, tools or reasoning, take the standard "
+        "flow); replay = always the standard flow (D recomputes the last prompt token(s) and "
+        "samples the first token) (default: first-token)")
 
     check = sub.add_parser(
         "check",
@@ -195,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
             policy=args.policy, health_interval=args.health_interval,
             health_timeout=args.health_timeout, prefill_retries=args.prefill_retries,
+            resume=args.resume,
         )
         return 0
     if args.command == "check":

@@ -19,7 +19,8 @@ _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 def build_prefill_body(body: dict, decode_min_recompute: int | None = None) -> dict:
-    """P's body: the client's request cut down to a one-token, non-streamed prefill."""
+    """P's body: the client's request cut down to a one-token, non-streamed prefill (zero
+    replay adds its fields on top: ``first_token.prefill_body``)."""
     p = copy.deepcopy(body)
     p["stream"] = False
     p["max_tokens"] = 1

@@ -14,7 +14,7 @@ import asyncio
 import errno
 import json
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -182,25 +182,42 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def relay_stream(
-    request: web.Request, d_resp: aiohttp.ClientResponse, request_id: str
-) -> tuple[web.StreamResponse, str | None]:
-    """Copy D's body to the client chunk by chunk.
-
-    Returns the response and why the relay stopped early (None when D's body ended). Once the
-    client is gone, D's connection is closed rather than read to the end: closing (not releasing)
-    it is what aborts the request on D and frees its KV blocks.
-    """
+def _response_like(d_resp: aiohttp.ClientResponse, request_id: str) -> web.StreamResponse:
+    """The client's stream with D's status and content type."""
     out = web.StreamResponse(status=d_resp.status)
     out.content_type = d_resp.content_type
     if d_resp.charset:
         out.charset = d_resp.charset
     out.headers["X-Request-Id"] = request_id
     out.headers["Cache-Control"] = "no-cache"
+    return out
+
+
+class Rewriter(Protocol):
+    """Turns D's streamed bytes into the client's (``first_token.StreamAssembler``)."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+async def relay_stream(
+    request: web.Request, d_resp: aiohttp.ClientResponse, request_id: str, *,
+    out: web.StreamResponse | None = None, rewrite: Rewriter | None = None,
+) -> tuple[web.StreamResponse, str | None]:
+    """Copy D's body to the client chunk by chunk (through ``rewrite`` when given).
+
+    ``out``: the client's stream when it is already open (zero replay sent P's token first);
+    else one is opened like D's. Returns the response and why the relay stopped early (None when
+    D's body ended). Once the client is gone, D's connection is closed rather than read to the
+    end: closing (not releasing) it is what aborts the request on D and frees its KV blocks.
+    """
+    out, opened = (out, True) if out is not None else (_response_like(d_resp, request_id), False)
     read: asyncio.Task | None = None
     try:
         try:
-            await out.prepare(request)
+            if not opened:
+                await out.prepare(request)
         except ConnectionResetError:
             d_resp.close()
             return out, "client disconnected, D aborted"
@@ -225,11 +242,14 @@ async def relay_stream(
             if not chunk:
                 break
             try:
-                await out.write(chunk)
+                if data := (chunk if rewrite is None else rewrite.feed(chunk)):
+                    await out.write(data)
             except ConnectionResetError:
                 d_resp.close()
                 return out, "client disconnected, D aborted"
         try:
+            if rewrite is not None and (rest := rewrite.flush()):
+                await out.write(rest)
             await out.write_eof()
         except ConnectionResetError:
             return out, "client disconnected at end of stream"

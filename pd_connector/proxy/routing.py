@@ -200,9 +200,13 @@ class ProxyMetrics:
         self.prefill_retries = 0
         self.decode_fallbacks = 0
         self.prefill_without_params = 0
+        self.resume: Counter[tuple[str, str]] = Counter()  # (mode, reason)
 
     def count_request(self, route: str, outcome: str) -> None:
         self.requests[(route, outcome)] += 1
+
+    def count_resume(self, mode: str, reason: str) -> None:
+        self.resume[(mode, reason)] += 1
 
     def render(self, pools: Sequence[Pool]) -> str:
         out: list[str] = []
@@ -227,6 +231,11 @@ class ProxyMetrics:
         family("pd_proxy_prefill_without_params_total", "counter",
                "Prefills whose answer carried no kv_transfer_params (D computes the prompt).",
                [({}, self.prefill_without_params)])
+        family("pd_proxy_resume_total", "counter",
+               "Requests P answered, by how D resumed them: mode first_token (zero replay; "
+               "reason decoded, prefill_finished when P's token ended the request, prefill_only "
+               "for one-token requests) or replay (the standard flow; reason: why).",
+               [({"mode": m, "reason": r}, n) for (m, r), n in sorted(self.resume.items())])
         ups = [u for p in pools for u in p.upstreams]
         family("pd_proxy_upstream_marked_unhealthy_total", "counter",
                "Times an upstream went from healthy to unhealthy.",

@@ -3,7 +3,9 @@ aiohttp app, its endpoints and ``run_proxy``.
 
 The modules behind it, one concern each:
 
-- ``bodies``: what P and D are sent (pure);
+- ``bodies``: what P and D are sent in the standard flow (pure);
+- ``first_token``: zero replay: which requests use it, what D is sent, and the client's answer
+  assembled from P's first token and D's continuation (pure);
 - ``relay``: one HTTP exchange with one upstream, and its failures;
 - ``flow``: one client request, prefill with retries then decode with fallback;
 - ``routing``: upstream pools, selection policy, health state and the proxy's own metrics.
@@ -29,6 +31,7 @@ from pd_connector.proxy.bodies import (
     build_decode_body,
     build_prefill_body,
 )
+from pd_connector.proxy.first_token import DEFAULT_RESUME, RESUME_MODES
 from pd_connector.proxy.flow import ProxyState, generate
 from pd_connector.proxy.relay import (
     UpstreamClient,
@@ -133,6 +136,7 @@ def build_app(
     policy: str = DEFAULT_POLICY,
     health_interval: float = DEFAULT_HEALTH_INTERVAL_S,
     prefill_retries: int = DEFAULT_PREFILL_RETRIES,
+    resume: str = DEFAULT_RESUME,
 ) -> web.Application:
     """The proxy as an aiohttp app (run it with ``run_proxy`` or any aiohttp runner).
 
@@ -141,7 +145,9 @@ def build_app(
     ``round-robin``, each pool separately). ``health_interval``: seconds between background
     ``/health`` polls of every upstream (0: no polling; an instance marked unhealthy by a request
     error is then tried again after ``PASSIVE_RECOVERY_S``). ``prefill_retries``: extra prefill
-    attempts after a P connection error, timeout or 5xx.
+    attempts after a P connection error, timeout or 5xx. ``resume``: ``first-token`` (zero
+    replay where the request allows it: ``first_token.py``) or ``replay`` (always the standard
+    flow, where D recomputes the last prompt token(s)).
     """
     prefill_urls = [normalize_url(u) for u in prefill_urls]
     decode_urls = [normalize_url(u) for u in decode_urls]
@@ -151,6 +157,8 @@ def build_app(
         raise ValueError("decode_min_recompute must be >= 0")
     if health_interval < 0 or prefill_retries < 0:
         raise ValueError("health_interval and prefill_retries must be >= 0")
+    if resume not in RESUME_MODES:
+        raise ValueError(f"unknown resume mode {resume!r}; choose one of {', '.join(RESUME_MODES)}")
     recover = None if health_interval > 0 else PASSIVE_RECOVERY_S
     st = ProxyState(
         prefill=Pool("prefill", prefill_urls, policy, recover_after_s=recover),
@@ -161,6 +169,7 @@ def build_app(
         health_timeout=float(health_timeout),
         health_interval=float(health_interval),
         prefill_retries=int(prefill_retries),
+        resume=resume,
     )
     app = web.Application()
     app[STATE] = st
@@ -209,20 +218,21 @@ def run_proxy(
     health_interval: float = DEFAULT_HEALTH_INTERVAL_S,
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT_S,
     prefill_retries: int = DEFAULT_PREFILL_RETRIES,
+    resume: str = DEFAULT_RESUME,
 ) -> None:
     """Serve the proxy until interrupted."""
     app = build_app(
         list(prefill_urls), list(decode_urls),
         decode_min_recompute=decode_min_recompute, timeout=timeout, policy=policy,
         health_interval=health_interval, health_timeout=health_timeout,
-        prefill_retries=prefill_retries,
+        prefill_retries=prefill_retries, resume=resume,
     )
     st = app[STATE]
     logger.info(
         "pd proxy on http://%s:%d prefill=%s decode=%s policy=%s health_interval=%gs "
-        "prefill_retries=%d decode_min_recompute=%s",
+        "prefill_retries=%d decode_min_recompute=%s resume=%s",
         host, port, st.prefill.urls, st.decode.urls, policy, health_interval, prefill_retries,
-        decode_min_recompute,
+        decode_min_recompute, resume,
     )
     # handler_cancellation: a client disconnect cancels the handler at once, which closes D's
     # connection and so aborts the request on D (the poll in _relay_stream is the fallback).

@@ -57,11 +57,17 @@ class FakeUpstream:
     ``status``: HTTP status of generate answers; ``kv_params``: the ``kv_transfer_params`` a
     non-streamed answer carries (None: none); ``stream_chunks``: the SSE body of a streamed
     answer; ``healthy``: what ``/health`` says; ``gate``: when set, requests wait for it.
+    ``answer``: the whole non-streamed JSON answer instead of the default one (a dict, or a
+    function of the request body returning one; ``kv_params`` is added when it has none);
+    ``max_model_len``: what ``/v1/models`` reports for the model (None: nothing, as before).
     """
 
-    def __init__(self, name, *, status=200, kv_params=None, stream_chunks=SSE_CHUNKS):
+    def __init__(self, name, *, status=200, kv_params=None, stream_chunks=SSE_CHUNKS,
+                 answer=None, max_model_len=None):
         self.name, self.status, self.kv_params, self.stream_chunks = (
             name, status, kv_params, stream_chunks)
+        self.answer, self.max_model_len = answer, max_model_len
+        self.models_requests = 0
         self.healthy = True
         self.gate: asyncio.Event | None = None
         self.received: list[dict] = []  # {"path", "headers", "body"} per request
@@ -76,7 +82,11 @@ class FakeUpstream:
         return web.json_response({}, status=200 if self.healthy else 503)
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}"}]})
+        self.models_requests += 1
+        entry = {"id": f"model-{self.name}"}
+        if self.max_model_len is not None:
+            entry["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [entry]})
 
     async def generate(self, request):
         body = await request.json()
@@ -97,6 +107,11 @@ class FakeUpstream:
                 await asyncio.sleep(0.01)  # separate TCP writes, so chunking is exercised
             await resp.write_eof()
             return resp
+        if self.answer is not None:
+            out = dict(self.answer(body) if callable(self.answer) else self.answer)
+            if self.kv_params is not None and "kv_transfer_params" not in out:
+                out["kv_transfer_params"] = self.kv_params
+            return web.json_response(out)
         out = {"id": f"cmpl-{self.name}", "choices": [{"text": f"from {self.name}"}]}
         if self.kv_params is not None:
             out["kv_transfer_params"] = self.kv_params

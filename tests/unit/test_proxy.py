@@ -71,16 +71,38 @@ async def test_completion_p_and_d_bodies(caplog):
         assert p["headers"]["X-Request-Id"] == d["headers"]["X-Request-Id"] == "req-42"
         pb = p["body"]
         assert pb["max_tokens"] == 1 and pb["stream"] is False
-        assert "min_tokens" not in pb and "stream_options" not in pb
+        assert "stream_options" not in pb
         assert "max_completion_tokens" not in pb  # only set when the client used it
-        assert pb["kv_transfer_params"] == PREFILL_KV_PARAMS
+        # Zero replay (the default --resume first-token): P is asked for its first token, samples
+        # it under the client's min_tokens (capped at its one token) and returns the prompt ids.
+        assert pb["kv_transfer_params"] == {**PREFILL_KV_PARAMS, "pd_resume": "first_token"}
+        assert pb["min_tokens"] == 1 and pb["return_token_ids"] is True
         assert pb["prompt"] == CLIENT_BODY["prompt"] and pb["logprobs"] == 1
-        # D: the client's body, untouched, plus exactly what P returned.
+        # This P returned no pd_first_token (standard flow): D gets the client's body,
+        # untouched, plus exactly what P returned.
         assert d["body"] == {**CLIENT_BODY, "kv_transfer_params": P_PARAMS}
     line = [rec.getMessage() for rec in caplog.records if "req=req-42" in rec.getMessage()]
     assert len(line) == 1
     assert "p_status=200" in line[0] and "params=True" in line[0]
     assert "replay_offset=32" in line[0] and "d_status=200" in line[0]
+    assert "resume=replay(prefill_declined)" in line[0]
+
+
+@async_test
+async def test_resume_replay_mode_sends_the_standard_prefill():
+    async with stack(proxy_kwargs={"resume": "replay"}) as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 200
+            assert await r.json() == {"id": "cmpl-d0", "choices": [{"text": "from d0"}]}
+        pb, db = s.ps[0].received[0]["body"], s.ds[0].received[0]["body"]
+        assert pb["max_tokens"] == 1 and pb["stream"] is False
+        assert "min_tokens" not in pb and "stream_options" not in pb
+        assert "return_token_ids" not in pb
+        assert pb["kv_transfer_params"] == PREFILL_KV_PARAMS
+        assert db == {**CLIENT_BODY, "kv_transfer_params": P_PARAMS}
+        async with s.session.get(s.url + "/metrics") as r:
+            text = await r.text()
+        assert 'pd_proxy_resume_total{mode="replay",reason="disabled"} 1' in text
 
 
 @async_test
@@ -177,7 +199,8 @@ async def test_decode_min_recompute_reaches_prefill():
         async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
             assert r.status == 200
         pb = s.ps[0].received[0]["body"]
-        assert pb["kv_transfer_params"] == {**PREFILL_KV_PARAMS, "pd_min_recompute_tokens": 7}
+        assert pb["kv_transfer_params"] == {**PREFILL_KV_PARAMS, "pd_min_recompute_tokens": 7,
+                                            "pd_resume": "first_token"}
         assert s.ds[0].received[0]["body"] == {**CLIENT_BODY, "kv_transfer_params": P_PARAMS}
 
 
