@@ -13,7 +13,8 @@ is at a known offset on each side, whatever the two block sizes, kernel blocks a
 the pieces are then planned per P rank by ``shards.shard_regions``, as for unequal TP.
 
 What is not described per head and token (MLA's latent, a backend or CPU ISA whose layout is not
-known) is refused by name.
+known), and a sub-block that would split a layout's pack of tokens (``token_granule``), is refused
+by name.
 """
 
 from __future__ import annotations
@@ -44,30 +45,67 @@ MAX_PARTS = 1 << 12
 # [2N, C/2] and split in halves (cpu_attn.py forward: ``kv_cache.view(blocks, heads,
 # 2 * block_size, -1).chunk(2, dim=2)``), K kept column-major [d, N] and V row-major [N, d]
 # (csrc/cpu/cpu_attn_vec.hpp reshape_and_cache, vLLM CPU's "vec" ISA): element i of token t's
-# K at (i*N + t)*e, its V at N*C/2 + t*C/2. Any other layout name is opaque: pages of equal
-# block sizes and the same name are copied whole, nothing else is cut.
-INTERLEAVED, K_COLUMNS_V_ROWS = "interleaved", "k_columns_v_rows"
+# K at (i*N + t)*e, its V at N*C/2 + t*C/2. AMX_VNNI/d: vLLM CPU's "amx" ISA (bf16 model on a
+# host with AMX tiles, block size a multiple of 32; csrc/cpu/cpu_attn_amx.hpp reshape_and_cache,
+# read off vLLM 0.32's own kernel in tests/vllm/test_block_size_layout.py, bf16 and fp8 pages
+# alike in elements): K as [N/16][d/2][16][2] (groups of 16 tokens, each dim pair of a token
+# adjacent, a group's 16 tokens side by side per pair: AMX's VNNI B tiles), then V as
+# [d/16][N/2][16][2] (per 16 dims, pairs of tokens: dim j of tokens 2u and 2u+1 adjacent). One
+# token's bytes are scattered, but a span of whole groups of 16 tokens is one run in K and one
+# per 16 dims in V, so those pages are cut at multiples of ``AMX_TOKEN_GROUP`` only
+# (``token_granule``). Any other layout name is opaque: pages of equal block sizes and the same
+# name are copied whole, nothing else is cut.
+INTERLEAVED, K_COLUMNS_V_ROWS, AMX_VNNI = "interleaved", "k_columns_v_rows", "amx_vnni"
+AMX_TOKEN_GROUP = 16  # tokens per K group (AMX_TILE_ROW_BYTES / 4); V pairs (2) divide it
+AMX_DIM_GROUP = 16  # head dims per V group (the B tile's N)
+_WITH_HEAD_DIM = (K_COLUMNS_V_ROWS, AMX_VNNI)
 
 
 def token_layout_name(layout: str, head_dim: int = 0) -> str:
-    """The ``LayerRegion.token_layout`` of a layout (K_COLUMNS_V_ROWS carries its head dim)."""
-    return f"{layout}/{head_dim}" if layout == K_COLUMNS_V_ROWS else layout
+    """The ``LayerRegion.token_layout`` of a layout (K_COLUMNS_V_ROWS and AMX_VNNI carry
+    their head dim)."""
+    return f"{layout}/{head_dim}" if layout in _WITH_HEAD_DIM else layout
+
+
+def token_granule(layout: str) -> int:
+    """The tokens a layout packs together: a span of tokens is cut out of a page (a kernel
+    block, a phase) only where it starts and ends at multiples of this."""
+    return AMX_TOKEN_GROUP if layout.partition("/")[0] == AMX_VNNI else 1
 
 
 def token_parts(layout: str, tokens: int, token_bytes: int) -> list[tuple[int, int]] | None:
     """A head's run of ``tokens`` tokens of ``token_bytes`` each as runs in which consecutive
-    tokens are adjacent: (offset in the run, bytes of one token there). None: not cuttable."""
+    tokens are adjacent: (offset in the run, bytes of one token there); for a layout packing
+    tokens (``token_granule`` g > 1), the tokens [a, b) with a and b multiples of g sit at
+    [offset + a*bytes, offset + b*bytes) of each run, whatever the order inside a pack. None:
+    not cuttable."""
     if layout == INTERLEAVED:
         return [(0, token_bytes)]
     name, _, dim = layout.partition("/")
-    if name != K_COLUMNS_V_ROWS or not dim.isdigit() or int(dim) <= 0 or token_bytes % (2 * int(dim)):
+    if name not in _WITH_HEAD_DIM or not dim.isdigit() or int(dim) <= 0 or token_bytes % (2 * int(dim)):
         return None
     head_dim = int(dim)
-    if head_dim > MAX_PARTS:
-        return None
     elem = token_bytes // (2 * head_dim)
     half = tokens * head_dim * elem
+    if name == AMX_VNNI:
+        if head_dim % AMX_DIM_GROUP or head_dim // AMX_DIM_GROUP >= MAX_PARTS or tokens % AMX_TOKEN_GROUP:
+            return None
+        v_group = tokens * AMX_DIM_GROUP * elem
+        v_runs = [(half + g * v_group, AMX_DIM_GROUP * elem) for g in range(head_dim // AMX_DIM_GROUP)]
+        return [(0, head_dim * elem)] + v_runs
+    if head_dim > MAX_PARTS:
+        return None
     return [(i * tokens * elem, elem) for i in range(head_dim)] + [(half, head_dim * elem)]
+
+
+def _cuts_packs(region: LayerRegion, tokens: int, what: str) -> None:
+    """``BlockSizeError`` naming the layout when spans of ``tokens`` would split its packs."""
+    granule = token_granule(region.token_layout)
+    if tokens % granule:
+        raise BlockSizeError(
+            f"{region.name}: token layout {region.token_layout!r} packs {granule} tokens together, "
+            f"{what} of {tokens} tokens would split them"
+        )
 
 
 def _kernel_block(unit: str) -> int | None:
@@ -92,6 +130,7 @@ def token_segments(region: LayerRegion, block_size: int) -> tuple[Segment, ...]:
     per_kernel = block_size // len(set(kernels))
     if per_kernel * len(set(kernels)) != block_size:
         raise BlockSizeError(f"{region.name}: {len(set(kernels))} kernel blocks do not split {block_size} tokens")
+    _cuts_packs(region, per_kernel, "kernel blocks" if per_kernel < block_size else "blocks")
     out = []
     for seg, kernel in zip(region.segments, kernels):
         parts = token_parts(region.token_layout, per_kernel, seg.unit_bytes // per_kernel)
@@ -161,6 +200,7 @@ def phase_regions(
             continue
         size, small = sizes[region.group], smaller[region.group]
         tokens = token_segments(region, size)
+        _cuts_packs(region, small, "sub-blocks")
         for j in range(k):
             segments = window(tokens, j * small, small) if size > small else tokens
             out.append(

@@ -5,7 +5,9 @@ backend and ISA) and plans the re-cut (``block_phases.peer_regions``, ``route_pa
 copy is done as a READ would, piece by piece. The oracle is vLLM's own CPU kernel: it writes
 the prompt's K and V into P's blocks, and into a fresh D rank's blocks for the tokens D loads;
 D's memory after the copy must equal that, byte for byte. A plan one phase off, and a page
-planned as if K and V of a token sat together, are caught.
+planned as if K and V of a token sat together, are caught. Both layouts vLLM CPU writes are
+checked: the "vec" kernels' (forced, as on a host without AMX) and, on a host with AMX tiles,
+the "amx" kernels' VNNI tiles (bf16 and fp8 pages), each also planned as the other (caught).
 """
 
 from __future__ import annotations
@@ -36,13 +38,19 @@ needs_cpu_kernels = pytest.mark.skipif(not _cpu_kernels(), reason="this vLLM bui
 HEAD_SIZE = 32  # vLLM CPU's vec kernels want a multiple of 32 (16 picks vec16)
 TOTAL_HEADS = 4
 MAX_TOKENS = 1024
+# Read before any fixture patches it: whether vLLM's AMX kernels can run here.
+HOST_HAS_AMX = torch.cpu._is_amx_tile_supported()
+needs_amx = pytest.mark.skipif(not HOST_HAS_AMX, reason="this host has no AMX tiles (torch.cpu._is_amx_tile_supported)")
+CACHE_DTYPE = {"auto": torch.bfloat16, "fp8": torch.uint8}  # vLLM's fp8 KV cache pages are uint8
+AMX = block_phases.token_layout_name(block_phases.AMX_VNNI, HEAD_SIZE)
+VEC = block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, HEAD_SIZE)
 
 
 @pytest.fixture(autouse=True)
 def vec_host(monkeypatch):
-    """These tests are about the vec kernels' layout: vLLM picks AMX for a bf16 model on a host
-    with AMX tiles (``_get_attn_isa`` asks ``torch.cpu._is_amx_tile_supported``), so run as on one
-    without."""
+    """Tests check the vec kernels' layout unless they ask for ``amx_host``: vLLM picks AMX for a
+    bf16 model on a host with AMX tiles (``_get_attn_isa`` asks ``torch.cpu._is_amx_tile_supported``),
+    so run as on one without."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
@@ -51,11 +59,14 @@ def amx_host(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
 
 
-def model(kv_heads: int, block: int) -> Layers:
-    return Layers(kv_heads, plain_attention(head_size=HEAD_SIZE, block_size=block), backend=CPUAttentionBackend)
+def model(kv_heads: int, block: int, cache: str = "auto") -> Layers:
+    spec_of = plain_attention(head_size=HEAD_SIZE, block_size=block, dtype=CACHE_DTYPE[cache])
+    return Layers(kv_heads, spec_of, backend=CPUAttentionBackend)
 
 
-def write_kv(rank, name: str, heads: list[int], blocks: list[int], block: int, tokens: int) -> None:
+def write_kv(
+    rank, name: str, heads: list[int], blocks: list[int], block: int, tokens: int, cache_dtype: str = "auto"
+) -> None:
     """The prompt's K and V of ``tokens`` tokens for global ``heads`` into ``blocks`` (token t
     in ``blocks[t // block]``), written by vLLM's own CPU kernel (``cpu_attn_reshape_and_cache``
     with the ISA the backend picks), as the model's forward pass writes them."""
@@ -70,8 +81,9 @@ def write_kv(rank, name: str, heads: list[int], blocks: list[int], block: int, t
     key_cache, value_cache = cache.view(n_blocks, n_heads, 2 * n_tokens, -1).chunk(2, dim=2)
     t = torch.arange(tokens)
     slots = torch.tensor(blocks, dtype=torch.int64)[t // block] * block + t % block
-    isa = _get_attn_isa(torch.bfloat16, block, HEAD_SIZE, "auto")
-    ops.cpu_attn_reshape_and_cache(key[:, heads].contiguous(), value[:, heads].contiguous(), key_cache, value_cache, slots, isa)
+    isa = _get_attn_isa(torch.bfloat16, block, HEAD_SIZE, cache_dtype)
+    k, v = key[:, heads].contiguous(), value[:, heads].contiguous()
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, 1.0, 1.0, cache_dtype)
 
 
 def rank_heads(layers: Layers, tp: int, r: int) -> list[int]:
@@ -79,31 +91,40 @@ def rank_heads(layers: Layers, tp: int, r: int) -> list[int]:
     return [layers.slot_label(layers.layers[0], tp, r, s, slots) for s in range(slots)]
 
 
-def run(p: int, d: int, bp: int, bd: int, offset: int, kv_heads: int = TOTAL_HEADS, tamper=None, declared: str = "") -> None:
+def run(
+    p: int, d: int, bp: int, bd: int, offset: int, kv_heads: int = TOTAL_HEADS, tamper=None, declared: str = "",
+    cache: str = "auto", expect: str = "",
+) -> None:
     """Hand the first ``offset`` prompt tokens from P (TP ``p``, blocks of ``bp``) to every D
     rank (TP ``d``, blocks of ``bd``); each D rank's memory must then equal a fresh rank into
     which vLLM's kernel wrote the tokens D loaded (every sub-block up to ``offset``) itself.
-    ``declared``: plan with this token layout instead of the one described (negative control)."""
+    ``declared``: plan with this token layout instead of the one described (negative control);
+    ``expect``: the token layout both sides must have been described with; ``cache``: vLLM's
+    KV cache dtype ("auto": the bf16 model's, or "fp8")."""
 
     def regions(rank):
         if not declared:
             return rank.regions
         return [msgspec.structs.replace(r, token_layout=declared) for r in rank.regions]
 
-    p_model, d_model = model(kv_heads, bp), model(kv_heads, bd)
+    p_model, d_model = model(kv_heads, bp, cache), model(kv_heads, bd, cache)
     p_ranks = {r: p_model.rank(p, r, seed=None, num_blocks=16) for r in range(p)}
     p_table = list(range(3, 3 + pairing.cdiv(offset, bp)))
     for r, rank in p_ranks.items():
+        if expect:
+            assert {x.token_layout for x in rank.regions} == {expect}
         for name in p_model.layers:
-            write_kv(rank, name, rank_heads(p_model, p, r), p_table, bp, len(p_table) * bp)
+            write_kv(rank, name, rank_heads(p_model, p, r), p_table, bp, len(p_table) * bp, cache)
     plan = block_phases.PhasePlan.of([bp], [bd], [ATTENTION])
     small = min(bp, bd)
     for j in range(d):
         mine = d_model.rank(d, j, seed=None, num_blocks=16)
         reference = d_model.rank(d, j, seed=None, num_blocks=16)
+        if expect:
+            assert {x.token_layout for x in mine.regions} == {expect}
         d_table = list(range(2, 2 + pairing.cdiv(offset, bd)))
         for name in d_model.layers:
-            write_kv(reference, name, rank_heads(d_model, d, j), d_table, bd, pairing.cdiv(offset, small) * small)
+            write_kv(reference, name, rank_heads(d_model, d, j), d_table, bd, pairing.cdiv(offset, small) * small, cache)
         pairs = pairing.pair_block_lists((GroupLayout(ATTENTION, bd),), [p_table], (d_table,), offset, 0, remote_block_sizes=[bp])
         order = shards.peer_ranks(p, d, j)
         plans = block_phases.peer_regions(regions(mine), {r: regions(p_ranks[r]) for r in order}, order, p == d, plan, [bd], [bp])
@@ -163,7 +184,7 @@ def test_fp8_cache_of_a_bf16_model_on_an_amx_host_gets_the_amx_layout_not_vec(mo
     """vLLM CPU picks the ISA by the model's dtype (bf16: AMX), not the fp8 cache's uint8: labelled
     vec, P's AMX pages would be cut as vec pages. Read off the layer, or by vLLM's rule without it."""
     rank = fp8_cache_model(model_dir, "bfloat16", isa_on_layers).rank(1, 0, seed=None)
-    assert {r.token_layout for r in rank.regions} == {"CPU_ATTN:amx"}
+    assert {r.token_layout for r in rank.regions} == {AMX}
 
 
 def test_the_isa_vllm_set_on_the_layer_is_read_not_derived_again(model_dir, amx_host, monkeypatch):
@@ -171,7 +192,7 @@ def test_the_isa_vllm_set_on_the_layer_is_read_not_derived_again(model_dir, amx_
     applied again, would now say vec."""
     layers = fp8_cache_model(model_dir, "bfloat16")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert {r.token_layout for r in layers.rank(1, 0, seed=None).regions} == {"CPU_ATTN:amx"}
+    assert {r.token_layout for r in layers.rank(1, 0, seed=None).regions} == {AMX}
 
 
 def test_negative_control_the_kv_cache_dtype_would_have_picked_vec(model_dir, amx_host):
@@ -209,3 +230,52 @@ def test_negative_control_cpu_pages_planned_as_interleaved_are_caught():
     """The same pages planned as if a token's K and V sat together (FlashAttention's layout)."""
     with pytest.raises(AssertionError, match="differ"):
         run(1, 1, 64, 32, offset=150, declared=block_phases.INTERLEAVED)
+
+
+
+@needs_cpu_kernels
+@needs_amx
+@pytest.mark.parametrize("bp, bd", [(32, 64), (64, 32), (32, 128), (96, 32)])
+@pytest.mark.parametrize("p, d", [(1, 1), (1, 2), (2, 1)])
+def test_amx_pages_d_holds_ps_k_and_v_of_every_token_it_loaded(amx_host, p, d, bp, bd):
+    """vLLM's AMX kernels (a bf16 model, blocks of multiples of 32, on this AMX host) pack K and
+    V in VNNI tiles of 16 tokens: cut at whole tiles, D's pages are what the kernel writes there."""
+    run(p, d, bp, bd, offset=150, expect=AMX)
+
+
+@needs_cpu_kernels
+@needs_amx
+@pytest.mark.parametrize("bp, bd", [(32, 64), (128, 32)])
+def test_amx_fp8_pages_are_cut_alike(amx_host, bp, bd):
+    """A bf16 model's fp8 KV cache on an AMX host: the AMX kernels write the same layout in
+    elements of one byte, so the same cut holds."""
+    run(1, 1, bp, bd, offset=150, cache="fp8", expect=AMX)
+
+
+@needs_cpu_kernels
+@needs_amx
+def test_negative_control_amx_pairs_one_phase_off_are_caught(amx_host):
+    def one_phase_off(pairs):
+        g = pairs[0]
+        return [pairing.BlockPairs(g.remote, g.local, [(x + 1) % 2 for x in g.phases])]
+
+    with pytest.raises(AssertionError, match="differ"):
+        run(1, 1, 64, 32, offset=150, tamper=one_phase_off, expect=AMX)
+
+
+@needs_cpu_kernels
+@needs_amx
+@pytest.mark.parametrize("bp, bd", [(64, 32), (32, 64)])
+def test_negative_control_amx_pages_planned_as_vec_are_caught(amx_host, bp, bd):
+    with pytest.raises(AssertionError, match="differ"):
+        run(1, 1, bp, bd, offset=150, declared=VEC)
+
+
+@needs_cpu_kernels
+def test_negative_control_vec_pages_planned_as_amx_are_caught():
+    with pytest.raises(AssertionError, match="differ"):
+        run(1, 1, 64, 32, offset=150, declared=AMX, expect=VEC)
+
+
+def test_cpu_attention_pages_get_the_amx_layout_on_an_amx_host(amx_host):
+    assert {r.token_layout for r in model(4, 32).rank(1, 0, seed=None).regions} == {AMX}

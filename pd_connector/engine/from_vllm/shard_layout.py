@@ -71,8 +71,9 @@ def describe_shards(
 def _token_layout(vllm_config: Any, spec: Any, layer: str) -> str:
     """Where a token sits in ``layer``'s KV-head runs, by its attention backend
     (``block_phases`` layouts): FlashAttention's interleaved K|V, vLLM CPU's "vec" kernels'
-    column-major K and row-major V; any other backend or CPU ISA by name only (pages of that
-    layout are copied whole between equal block sizes, never cut). "" without a backend."""
+    column-major K and row-major V, its "amx" kernels' VNNI tiles; any other backend or CPU ISA
+    by name only (pages of that layout are copied whole between equal block sizes, never cut).
+    "" without a backend."""
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     module = context.get(layer)
     backend = getattr(module, "attn_backend", None)
@@ -95,6 +96,11 @@ def _token_layout(vllm_config: Any, spec: Any, layer: str) -> str:
         isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype)
     if isa == "vec" and spec.head_size == spec.head_size_v:
         return block_phases.token_layout_name(block_phases.K_COLUMNS_V_ROWS, spec.head_size)
+    # AMX: VNNI-packed K and V in groups of 16 tokens and dims (vLLM makes the block size a
+    # multiple of 32 and the head size one of 32 for it); its bf16 and fp8 pages hold the same
+    # layout in elements (checked against vLLM's kernel in tests/vllm/test_block_size_layout.py).
+    if isa == "amx" and spec.head_size == spec.head_size_v and spec.head_size % block_phases.AMX_DIM_GROUP == 0:
+        return block_phases.token_layout_name(block_phases.AMX_VNNI, spec.head_size)
     return f"CPU_ATTN:{isa}"
 
 
