@@ -98,14 +98,19 @@ def _serve(s, prompt, params=None, max_tokens=OUTPUT):
     s.add_request(req)
     out, eo = run_step(s)
     hit = req.num_computed_tokens - out.num_scheduled_tokens.get(req.request_id, 0)
-    tokens, done, returned = _outputs(eo, req.request_id)
+    tokens, returned = _run_to_end(s, req.request_id, *_outputs(eo, req.request_id))
+    return tokens, returned, hit
+
+
+def _run_to_end(s, request_id, tokens, done, returned=None):
+    """Step ``s`` until the request finishes (at most 100 steps): (all its tokens, its params)."""
     for _ in range(100):
         if done:
             break
-        out, eo = run_step(s)
-        more, done, returned = _outputs(eo, req.request_id)
-        tokens += more
-    return tokens, returned, hit
+        _, eo = run_step(s)
+        more, done, returned = _outputs(eo, request_id)
+        tokens = tokens + more
+    return tokens, returned
 
 
 def _decode(d, prompt, params):

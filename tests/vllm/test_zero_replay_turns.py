@@ -24,7 +24,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
 from pd_connector.dev.rig.cpu_matrix import random_prompt
 from pd_connector.dev.rig.scheduler_harness import make_request, run_step
-from tests.vllm.test_prefix_cache_turns import B, OUTPUT, _outputs, _scheduler, _serve, models  # noqa: F401
+from tests.vllm.test_prefix_cache_turns import B, OUTPUT, _outputs, _run_to_end, _scheduler, _serve, models  # noqa: F401
 
 LENGTHS = [B - 1, B, B + 1, 2 * B - 1, 2 * B, 2 * B + 1, 3 * B + 1, 16, 17, 47, 48, 49, 81, 100]
 CONFIGS = ["plain", "pmu16", "eagle-pmu16", "mtp2"]
@@ -40,13 +40,7 @@ def _decode_from(d, prompt, params):
     if accepted:
         out, eo = run_step(d, kv_output=KVConnectorOutput(finished_recving={req.request_id}))
     loaded = req.num_computed_tokens - out.num_scheduled_tokens.get(req.request_id, 0) if accepted else 0
-    tokens, done = _outputs(eo, req.request_id)[:2]
-    for _ in range(100):
-        if done:
-            break
-        out, eo = run_step(d)
-        more, done, _ = _outputs(eo, req.request_id)
-        tokens += more
+    tokens, _ = _run_to_end(d, req.request_id, *_outputs(eo, req.request_id))
     return tokens, len(prompt) - loaded, accepted
 
 
