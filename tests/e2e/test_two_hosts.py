@@ -244,24 +244,30 @@ def test_p_killed_during_a_read_and_a_decode_ends_in_aggregated_output(pair, net
     reading_prompt = random_prompt(LONG_PROMPT, seed=35)
     ref_decoding = pair.reference(decoding_prompt, long_decode)
     ref_reading = pair.reference(reading_prompt, MAX_TOKENS)
-    accepted, failed = event(d, "handoff_accepted"), load_failures(d)
-    # P prefills the READ's prompt before the long decode starts, so that only the READ's
-    # start stands between the decode's handoff and the kill (with P's prefill in that gap too,
-    # a fast box once finished a 900-token decode 15 ms before P died).
+    failed = load_failures(d)
+    # The long READ is started first and seen in flight; only then is the short handoff made
+    # and loaded, and P killed as soon as D has it, so the long decode is the one that cannot
+    # have ended before the kill (started the other way round, with the READ's start between
+    # the two, a fast box finished the 1984-token decode about a second before P died).
     params = pair.prefill_only(reading_prompt)
-    decoding = Background(pair.handoff, decoding_prompt, long_decode)
-    wait_until(lambda: event(d, "handoff_accepted") > accepted, 60, "the first handoff accepted")
+    decoding_params = pair.prefill_only(decoding_prompt)
     net.a.limit_rate(CAPPED_RATE)
     try:
         slow = event(d, "read_slow")
         reading = Background(pair.decode_with, reading_prompt, params, MAX_TOKENS)
         wait_until(lambda: event(d, "read_slow") > slow, 60, "D's READ in flight (read_slow)")
+        loaded = external_tokens(d)
+        decoding = Background(pair.decode_with, decoding_prompt, decoding_params, long_decode)
+        short_r, long_r = decoding_params["replay_offset"], params["replay_offset"]
+        # The short handoff's tokens loaded (the long READ's may land meanwhile, alone they do not count).
+        wait_until(lambda: external_tokens(d) - loaded in (short_r, short_r + long_r), 60,
+                   "the short handoff loaded while the long READ is in flight")
         killed_at = time.monotonic()
         signal_group(pair.prefill.pid, signal.SIGKILL)
     finally:
         net.a.limit_rate(None)
     got_reading = reading.result(SETTLE_S)
-    _, got_decoding = decoding.result(SETTLE_S + 120)
+    got_decoding = decoding.result(SETTLE_S + 120)
     recomputed = load_failures(d) > failed
     print(f"\nP killed during a READ: that request finished {reading.done_at - killed_at:.1f} s later "
           f"({'recomputed by D' if recomputed else 'the READ completed'}); the one decoding finished "

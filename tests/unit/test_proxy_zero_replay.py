@@ -236,6 +236,18 @@ def test_parse_rejects_what_d_could_not_continue():
     assert reason(CHAT, p_chat(text=None)) == "prefill_answer"
 
 
+def test_a_first_token_that_is_part_of_a_character_takes_the_standard_flow():
+    """Regression: zero replay's text began with the whole prompt's when P's first token was an
+    incomplete UTF-8 byte (4 of 32 prompts in bench e2e; the ids were right): vLLM's detokenizer
+    on D, primed with a prompt that ends mid-character, emits the prompt's text first."""
+    got = ft.parse_prefill(COMPLETIONS, p_completion(text="\ufffd"), P_PARAMS)
+    assert isinstance(got, ft.Replay) and got.reason == "partial_character"
+    chat = ft.parse_prefill(CHAT, p_chat(text="x\ufffd"), P_PARAMS)
+    assert isinstance(chat, ft.Replay) and chat.reason == "partial_character"
+    # Negative control: a whole character stays zero replay.
+    assert isinstance(ft.parse_prefill(COMPLETIONS, p_completion(text=" \u00e9"), P_PARAMS), ft.FirstToken)
+
+
 def test_finished_by_prefill():
     stop = first_of(COMPLETIONS, p_completion(finish="stop", text=""))
     assert ft.finished_by_prefill(COMPLETIONS, CMPL_BODY, stop, None) == "stop"

@@ -135,8 +135,9 @@ def parse_args(argv=None):
                     "(CPU 32, CUDA 16), 64, 128; quick: smallest, 128)")
     ap.add_argument("--reps", type=int, help="timed repetitions, median kept (default 5; quick 3)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--budget-mib", type=int, help="max bytes one request moves; layers are dropped "
-                    "(pages kept) above it (default 256; quick 96)")
+    ap.add_argument("--budget-mib", type=float, help="max bytes one request moves; layers are dropped "
+                    "(pages kept) above it, down to one layer per group (default 256; quick 96; a fraction "
+                    "such as 0.01 leaves one layer: a case's smallest payload)")
     ap.add_argument("--pool-factor", type=float, default=1.5, help="pool blocks / request blocks")
     ap.add_argument("--num-threads", type=int, default=ConnectorSettings().nixl_num_threads,
                     help="nixl_num_threads for every section but knobs and stall (default: the connector's)")

@@ -168,7 +168,7 @@ def case_geometry(model: str, tokens: int, user_block: int, budget: int, kernel_
     also when P and D are two processes (``transfer_tcp``). ``checkpoints``: prompt checkpoint
     states below the offset read with the handoff (core/checkpoints.py): one more page per Mamba
     group each."""
-    geom = geometry(MODELS[model], user_block, tokens, budget, kernel_block)
+    geom = geometry(MODELS[model], user_block, tokens, int(budget), kernel_block)  # --budget-mib may be a fraction
     n_attn = math.ceil(tokens / geom.block_size)
     counts = [n_attn if kind == "attention" else 1 + checkpoints for kind, _ in geom.groups]
     num_blocks = int(sum(counts) * pool_factor) + 2  # + the null block and a spare
