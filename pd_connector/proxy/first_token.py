@@ -306,11 +306,12 @@ def parse_prefill(  # noqa: C901
         text = message.get("content")
     if not isinstance(text, str):
         return Replay("prefill_answer", "P's answer has no text for its token")
-    if not standalone and "\ufffd" in text:
-        # t0 is part of a character. vLLM 0.32's FastIncrementalDetokenizer on D primes its
-        # DecodeStream with a prompt ending mid-character and returns the whole prompt's text
-        # ahead of the output (vllm/v1/engine/detokenizer.py): D computes it all instead.
-        return Replay("partial_character", "P's first token is part of a character (decodes to U+FFFD)")
+    if not standalone and choice.get("finish_reason") in (None, "length") and (not text or "\ufffd" in text):
+        # t0 is part of a character (P's text for it is "" or U+FFFD). vLLM 0.32's
+        # FastIncrementalDetokenizer on D primes its DecodeStream with a prompt ending
+        # mid-character and returns the whole prompt's text ahead of the output
+        # (vllm/v1/engine/detokenizer.py; vllm#48853): D computes it all instead.
+        return Replay("partial_character", "P's first token is part of a character (its text is empty or U+FFFD)")
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(_is_int(t) for t in prompt_ids):
         return Replay("prefill_answer", "P's answer has no prompt_token_ids")
     token_ids = choice.get("token_ids")

@@ -112,7 +112,9 @@ class UpstreamRejected(Exception):
 
 
 def error_response(status: int, message: str, etype: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, **extra}}, status=status)
+    # vLLM's ErrorResponse shape (ErrorInfo requires param and code): what OpenAI clients parse.
+    return web.json_response({"error": {"message": message, "type": etype, "param": None,
+                                        "code": status, **extra}}, status=status)
 
 
 def describe_body(raw: bytes, limit: int = 500) -> str:

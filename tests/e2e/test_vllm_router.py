@@ -1,6 +1,7 @@
 """vllm-router (PyPI, ``--vllm-pd-disaggregation``), the production router, in front of two P and
 two D PDConnector instances: completions and chat, streamed and not, equal to aggregated serving,
-and every P and every D took part in real handoffs (D's ``external_kv_transfer`` prompt tokens).
+and every P and every D took part in real handoffs (D's ``external_kv_transfer`` prompt tokens);
+the same through the official OpenAI Python client, as applications call it.
 
 vllm-router knows nothing of pd_connector: it sends P NixlConnector's prefill request and
 forwards the ``kv_transfer_params`` P returns to D untouched. Installed in its own venv by
@@ -23,12 +24,19 @@ from types import SimpleNamespace
 import pytest
 
 from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, random_prompt
-from pd_connector.dev.rig.oracle import compare, complete
+from pd_connector.dev.rig.oracle import compare, complete, parse_completion
 from pd_connector.dev.rig.placement import cpu_binds
 from pd_connector.dev.rig.ports import free_port
 from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
 from pd_connector.dev.rig.stack import kv_transfer_config
 from pd_connector.dev.rig.tiny_models import build_model
+from support.openai_client import (
+    chat_choices,
+    completion_choices,
+    openai_client,
+    streamed_chat_choices,
+    streamed_completion_choices,
+)
 from support.router import VllmRouter, router_binary
 
 pytestmark = [
@@ -156,6 +164,48 @@ def test_chat_through_vllm_router_matches_aggregated(pools):
         assert post(router + "/v1/chat/completions", body)["choices"][0]["message"]["content"] == ref
         chunks = post(router + "/v1/chat/completions", {**body, "stream": True}, stream=True)
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ref
+    moved = wait_for_handoffs(pools, before, per_instance=2)
+    assert min(moved["accepted"]) >= 2 and min(moved["external"]) > 0, moved
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_openai_client_through_vllm_router_matches_aggregated(pools, stream):
+    """The official OpenAI Python client, as applications call vLLM: a completion (token ids,
+    top-5 logprobs) and a chat answer through vllm-router, twice each (round robin: both P and
+    both D), each the aggregated baseline's through the same client. Prompts of their own per
+    case (seeds 48 and 49, chat texts no other test sends), so every D loads them from P."""
+    before = counters(pools)
+    seed = 49 if stream else 48
+    prompt = random_prompt(70, seed=seed)
+    messages = [{"role": "user", "content": f"case {seed}: ask the router, then the decoder " * 5}]
+    extra = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    router, agg = openai_client(pools.router.url), openai_client(pools.baseline.base_url)
+    failures = []
+    try:
+        def completion(c):
+            answer = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          logprobs=5, stream=stream, extra_body=extra)
+            return (streamed_completion_choices(answer)[0] if stream else completion_choices(answer))[0]
+
+        def chat(c):
+            answer = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=stream, extra_body={"ignore_eos": True})
+            return (streamed_chat_choices(answer)[0] if stream else chat_choices(answer))[0]
+
+        ref, ref_chat = completion(agg), chat(agg)
+        assert ref["finish_reason"] == ref_chat["finish_reason"] == "length"
+        for round_ in range(2):
+            got = completion(router)
+            verdict = check(parse_completion({"choices": [ref]}), parse_completion({"choices": [got]}))
+            if not verdict.ok or (verdict.identical and got["text"] != ref["text"]):
+                failures.append(f"completion, round {round_}: {verdict.describe()}: {got['text']!r} vs {ref['text']!r}")
+            got_chat = chat(router)
+            if (got_chat["content"], got_chat["finish_reason"]) != (ref_chat["content"], "length"):
+                failures.append(f"chat, round {round_}: {got_chat!r} != {ref_chat!r}")
+    finally:
+        router.close()
+        agg.close()
+    assert not failures, "\n".join(failures)
     moved = wait_for_handoffs(pools, before, per_instance=2)
     assert min(moved["accepted"]) >= 2 and min(moved["external"]) > 0, moved
 

@@ -22,6 +22,7 @@ import pytest
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
 from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, random_prompt
 from pd_connector.dev.rig.oracle import Completion, compare
+from pd_connector.dev.rig.prometheus import parse_metric
 from pd_connector.engine import faults
 
 pytestmark = pytest.mark.e2e
@@ -77,15 +78,32 @@ def lengths(stack) -> list[int]:
     return [1, 2, block - 1, block, block + 1, 2 * block + 3]
 
 
+def partial_characters(stack) -> float:
+    """The proxy's count of requests whose first token is part of a character: those take the
+    standard flow (docs/operations.md, ``partial_character``), and D computes the prompt."""
+    with urllib.request.urlopen(stack.proxy_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return parse_metric(text, "pd_proxy_resume_total", {"mode": "replay", "reason": "partial_character"}) or 0.0
+
+
 def test_through_the_proxy_d_loads_every_prompt_token_and_computes_one(stack):
+    zero_replays = 0
     for i, n in enumerate(lengths(stack)):
         prompt = random_prompt(n, seed=700 + i)
         ref = stack.reference(prompt, MAX_TOKENS)
-        before = sources(stack)
+        before, partial = sources(stack), partial_characters(stack)
         got = stack.via_proxy(prompt, MAX_TOKENS)
         assert check(ref, got).ok, (stack.kind, n, check(ref, got).describe())
+        if partial_characters(stack) > partial:
+            # The tiny models' byte-level tokenizer splits characters often: D refused P's
+            # handoff for the client's prompt and computed it, answering as aggregated serving.
+            delta = wait_sources(stack, before, 0, n)
+            assert delta == {"external_kv_transfer": 0, "local_compute": n, "local_cache_hit": 0}, (stack.kind, n, delta)
+            continue
+        zero_replays += 1
         delta = wait_sources(stack, before, n, 1)
         assert delta == {"external_kv_transfer": n, "local_compute": 1, "local_cache_hit": 0}, (stack.kind, n, delta)
+    assert zero_replays >= len(lengths(stack)) - 2, f"{stack.kind}: only {zero_replays} zero-replay requests"
 
 
 def test_streamed_through_the_proxy_matches_aggregated_serving(stack):

@@ -221,6 +221,36 @@ async def test_bad_json_is_400():
 
 
 @async_test
+async def test_proxy_errors_have_vllms_error_shape():
+    """Every error the proxy writes itself has vLLM's ErrorResponse fields (ErrorInfo: message,
+    type, param, code = the HTTP status), as OpenAI clients expect; upstream and request_id are
+    extras. The cases: a body that is not JSON or not an object, P's 5xx, P and D unreachable."""
+    def check(status: int, err: dict) -> None:
+        assert {"message", "type", "param", "code"} <= set(err), err
+        assert isinstance(err["message"], str) and isinstance(err["type"], str)
+        assert err["param"] is None and err["code"] == status, err
+
+    async with stack() as s:
+        for data in (b"{nope", b"[1, 2]"):
+            async with s.session.post(s.url + "/v1/completions", data=data) as r:
+                assert r.status == 400
+                check(400, (await r.json())["error"])
+    async with stack(p_kwargs={"status": 500}) as s:
+        async with s.session.post(s.url + "/v1/completions", json=CLIENT_BODY) as r:
+            assert r.status == 500
+            check(500, (await r.json())["error"])
+    p = FakeUpstream("p0", kv_params=P_PARAMS)
+    async with serve(p.app) as p_url, serve(FakeUpstream("d0").app) as d_url:
+        for p_urls, d_urls in (([dead_url()], [d_url]), ([p_url], [dead_url()])):
+            async with serve(build_app(p_urls, d_urls)) as url, aiohttp.ClientSession() as session:
+                for stream in (False, True):
+                    async with session.post(url + "/v1/completions",
+                                            json={**CLIENT_BODY, "stream": stream}) as r:
+                        assert r.status == 502
+                        check(502, (await r.json())["error"])
+
+
+@async_test
 async def test_health_and_models():
     p = FakeUpstream("p0", kv_params=P_PARAMS)
     dead = dead_url()

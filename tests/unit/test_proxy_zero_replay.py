@@ -244,7 +244,11 @@ def test_a_first_token_that_is_part_of_a_character_takes_the_standard_flow():
     assert isinstance(got, ft.Replay) and got.reason == "partial_character"
     chat = ft.parse_prefill(CHAT, p_chat(text="x\ufffd"), P_PARAMS)
     assert isinstance(chat, ft.Replay) and chat.reason == "partial_character"
-    # Negative control: a whole character stays zero replay.
+    empty = ft.parse_prefill(COMPLETIONS, p_completion(text=""), P_PARAMS)  # how vLLM holds it back
+    assert isinstance(empty, ft.Replay) and empty.reason == "partial_character"
+    # Negative control: a whole character stays zero replay, and an empty text that ended the
+    # request (EOS) is answered from P.
+    assert isinstance(ft.parse_prefill(COMPLETIONS, p_completion(text="", finish="stop"), P_PARAMS), ft.FirstToken)
     assert isinstance(ft.parse_prefill(COMPLETIONS, p_completion(text=" \u00e9"), P_PARAMS), ft.FirstToken)
 
 
