@@ -195,6 +195,12 @@ def _response_like(d_resp: aiohttp.ClientResponse, request_id: str) -> web.Strea
     return out
 
 
+_DONE = b"data: [DONE]"
+# Set on the client's request once its stream carried "[DONE]": a disconnect after it is a whole
+# answer (the OpenAI client hangs up on "[DONE]"), not a client that left.
+STREAM_DONE = "pd_stream_done"
+
+
 class Rewriter(Protocol):
     """Turns D's streamed bytes into the client's (``first_token.StreamAssembler``)."""
 
@@ -203,6 +209,8 @@ class Rewriter(Protocol):
     def flush(self) -> bytes: ...
 
 
+# Long: one loop over D's chunks with four exits (client gone, D broke, D ended, cancelled), each
+# closing D's connection its own way around the same pending read and "[DONE]" tail.
 async def relay_stream(
     request: web.Request, d_resp: aiohttp.ClientResponse, request_id: str, *,
     out: web.StreamResponse | None = None, rewrite: Rewriter | None = None,
@@ -216,6 +224,18 @@ async def relay_stream(
     """
     out, opened = (out, True) if out is not None else (_response_like(d_resp, request_id), False)
     read: asyncio.Task | None = None
+    # The client may hang up once it has read "[DONE]" (the OpenAI client does), before D's body
+    # ends here: that is a whole answer, not a disconnect.
+    tail = b""
+
+    def gone(why: str) -> tuple[web.StreamResponse, str | None]:
+        d_resp.close()
+        return out, None if _DONE in tail else why
+
+    def mark_whole() -> None:
+        if _DONE in tail:
+            request[STREAM_DONE] = True  # read by the handler when a disconnect cancels it
+
     try:
         try:
             if not opened:
@@ -231,8 +251,7 @@ async def relay_stream(
             done, _ = await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
             if not done:
                 if _client_gone(request):
-                    d_resp.close()
-                    return out, "client disconnected, D aborted"
+                    return gone("client disconnected, D aborted")
                 continue
             task, read = read, None
             try:
@@ -246,9 +265,10 @@ async def relay_stream(
             try:
                 if data := (chunk if rewrite is None else rewrite.feed(chunk)):
                     await out.write(data)
+                    tail = (tail + data)[-len(_DONE) - 8:]
+                    mark_whole()
             except ConnectionResetError:
-                d_resp.close()
-                return out, "client disconnected, D aborted"
+                return gone("client disconnected, D aborted")
         try:
             if rewrite is not None and (rest := rewrite.flush()):
                 await out.write(rest)

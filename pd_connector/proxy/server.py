@@ -34,6 +34,7 @@ from pd_connector.proxy.bodies import (
 from pd_connector.proxy.first_token import DEFAULT_RESUME, RESUME_MODES
 from pd_connector.proxy.flow import ProxyState, generate
 from pd_connector.proxy.relay import (
+    STREAM_DONE,
     UpstreamClient,
     UpstreamError,
     request_id_of,
@@ -76,7 +77,7 @@ async def _handle_generate(request: web.Request) -> web.StreamResponse:
         response, outcome = await generate(request, st, request.app[_CLIENT])
         return response
     except asyncio.CancelledError:
-        outcome = "client_disconnected"
+        outcome = "ok" if request.get(STREAM_DONE) else "client_disconnected"
         raise
     finally:
         st.metrics.count_request(request.path, outcome)

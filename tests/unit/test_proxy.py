@@ -357,3 +357,43 @@ def test_prefill_body_does_not_mutate_client_body():
     proxy_mod.build_prefill_body(body, 3)
     proxy_mod.build_decode_body(body, P_PARAMS)
     assert body == before
+
+
+@pytest.mark.parametrize("proxy_cancellation", [True, False])
+@async_test
+async def test_a_client_that_hangs_up_after_done_got_a_whole_answer(proxy_cancellation):
+    """Regression: the OpenAI client closes its connection on "[DONE]", before D's body ends at
+    the proxy; that was counted (and logged) as a client that left mid-answer. Negative control:
+    a client that leaves before "[DONE]" is still counted as gone."""
+    served = 0
+
+    async def d_handler(request):
+        nonlocal served
+        served += 1
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n" + (b"data: [DONE]\n\n" if served == 1 else b""))
+        await asyncio.sleep(2)  # D's body has not ended yet when the client hangs up
+        return resp
+
+    d_app = web.Application()
+    d_app.router.add_post("/v1/completions", d_handler)
+    p = FakeUpstream("p0", kv_params=P_PARAMS)
+    async with serve(p.app) as p_url, serve(d_app) as d_url:
+        app = build_app([p_url], [d_url], resume="replay")
+        async with serve(app, handler_cancellation=proxy_cancellation) as url:
+            for until in (b"[DONE]", b"first"):
+                async with aiohttp.ClientSession() as session:
+                    r = await session.post(url + "/v1/completions", json={**CLIENT_BODY, "stream": True})
+                    got = b""
+                    while until not in got:
+                        got += await r.content.readany()
+                    r.close()
+                await asyncio.sleep(0.6)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/metrics") as m:
+                    text = await m.text()
+    outcomes = {line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("pd_proxy_requests_total")}
+    assert outcomes.get("ok") == 1 and outcomes.get("client_disconnected") == 1, outcomes
