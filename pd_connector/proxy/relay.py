@@ -209,8 +209,7 @@ class Rewriter(Protocol):
     def flush(self) -> bytes: ...
 
 
-# Long: one loop over D's chunks with four exits (client gone, D broke, D ended, cancelled), each
-# closing D's connection its own way around the same pending read and "[DONE]" tail.
+# Long: one read loop, four exits (client gone, D broke, D ended, cancelled), one "[DONE]" tail.
 async def relay_stream(
     request: web.Request, d_resp: aiohttp.ClientResponse, request_id: str, *,
     out: web.StreamResponse | None = None, rewrite: Rewriter | None = None,
