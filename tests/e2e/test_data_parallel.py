@@ -14,6 +14,7 @@ computed.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -84,6 +85,16 @@ def starved_loads(d, before: list[dict[str, float]]) -> int:
     return sum(
         d.events(j).get(e, 0.0) - before[j].get(e, 0.0) for j in range(d.dp) for e in STARVED
     )
+
+
+def partial_characters(proxy_url: str) -> float:
+    """The proxy's count of first tokens that are part of a character (the replay flow)."""
+    from pd_connector.dev.rig.prometheus import parse_metric
+    from pd_connector.urls import OPENER
+
+    with OPENER.open(proxy_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return parse_metric(text, "pd_proxy_resume_total", {"mode": "replay", "reason": "partial_character"}) or 0.0
 
 
 def assert_every_handoff_loaded(kind: str, loaded: float, prompts: list, starved: int, tail: int = 1) -> None:
@@ -217,10 +228,17 @@ def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
         before, events = d.prompt_tokens(), [d.events(j) for j in range(d.dp)]
         results = complete_concurrently(proxy.url, prompts)
         tokens = delta(before, d.prompt_tokens())
+        partial = partial_characters(proxy.url)
     finally:
         proxy.stop()
-    # The proxy resumes D at P's first token (zero replay): D loads all N prompt tokens.
-    assert_every_handoff_loaded(kind, tokens["external_kv_transfer"], prompts, starved_loads(d, events), tail=0)
+    # The proxy resumes D at P's first token (zero replay): D loads all N prompt tokens, except
+    # for a first token that is part of a character, which takes the replay flow (D computes the
+    # prompt: docs/operations.md, partial_character). Which prompts those were is not known.
+    loaded = tokens["external_kv_transfer"]
+    replayed = [c for c in itertools.combinations(prompts, int(partial)) if loaded == sum(map(len, prompts)) - sum(map(len, c))]
+    if not replayed:
+        assert_every_handoff_loaded(kind, loaded, prompts, starved_loads(d, events), tail=0)
+    assert int(partial) < len(prompts), f"{kind}: no request took zero replay"
     for ref, got, pr in zip(refs, results, prompts):
         assert got is not None and got.token_ids == ref.token_ids, f"{kind} n={len(pr)}"
 
