@@ -13,6 +13,7 @@ from pd_connector.core.fingerprint import fingerprint
 from pd_connector.dev.rig.cpu_matrix import E2E_SECRET, random_prompt
 from pd_connector.dev.rig.oracle import compare, parse_completion
 from pd_connector.dev.rig.ports import free_port
+from support.kv_cache import kv_cache_empty_within
 
 pytestmark = pytest.mark.e2e
 
@@ -34,17 +35,8 @@ def event(server, name: str) -> float:
 
 
 def cache_empty_within(stack, seconds: float, servers=None) -> dict:
-    """Poll vllm:kv_cache_usage_perc until it is 0 on ``servers`` (P by default); {} or the
-    last readings."""
-    servers = servers or (stack.prefill,)
-    deadline = time.monotonic() + seconds
-    while True:
-        usage = {s.log_path.stem: s.metric("vllm:kv_cache_usage_perc") for s in servers}
-        if all(v == 0 for v in usage.values()):
-            return {}
-        if time.monotonic() > deadline:
-            return usage
-        time.sleep(0.2)
+    """``kv_cache_empty_within`` on ``servers`` (P by default)."""
+    return kv_cache_empty_within(servers or (stack.prefill,), seconds)
 
 
 def sealed(stack) -> bool:

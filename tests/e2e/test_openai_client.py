@@ -13,8 +13,6 @@ vllm-router live in test_vllm_router.py (its module fixture adds a P and a D).
 
 from __future__ import annotations
 
-import time
-import urllib.error
 
 import openai
 import pytest
@@ -22,8 +20,8 @@ import pytest
 from pd_connector.dev.rig.cpu_matrix import random_prompt
 from pd_connector.dev.rig.oracle import compare, parse_completion
 from pd_connector.dev.rig.ports import free_port
-from pd_connector.dev.rig.proxy_process import HEALTHY_WITHIN_S, ProxyProcess
-from pd_connector.urls import OPENER
+from pd_connector.dev.rig.proxy_process import ProxyProcess
+from support.kv_cache import kv_cache_empty_within
 from support.openai_client import (
     chat_choices,
     chat_mismatch,
@@ -64,19 +62,6 @@ def clients(stack):
     yield pd, agg, stack.config.served_model_name
     pd.close()
     agg.close()
-
-
-def wait_cache_empty(servers, seconds: float = 30.0) -> dict:
-    """Poll vllm:kv_cache_usage_perc until it is 0 on every server; {} or the last readings
-    (a handoff D never claims is freed at P's 8 s claim deadline: cpu_matrix.E2E_EXTRA_CONFIG)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        usage = {s.log_path.stem: s.metric("vllm:kv_cache_usage_perc") for s in servers}
-        if all(v == 0 for v in usage.values()):
-            return {}
-        if time.monotonic() > deadline:
-            return usage
-        time.sleep(0.3)
 
 
 def assert_full_length(choices: dict[int, dict], n: int) -> None:
@@ -186,27 +171,7 @@ def test_bad_parameters_are_bad_requests(clients, stack, route, stream, bad):
     err = _raised(_request(pd, route, model, stream, **bad), openai.BadRequestError)
     assert err.status_code == ref.status_code == 400
     assert err.body["message"] == ref.body["message"] and err.body["type"] == ref.body["type"], (err.body, ref.body)
-    assert not wait_cache_empty([stack.prefill, stack.decode]), "a refused request left KV blocks held"
-
-
-class _ProxyWithDeadDecode(ProxyProcess):
-    """A proxy whose only D is down: its /health answers 503 (no healthy decode instance), which
-    ``ProxyProcess`` waits out as "not healthy"; here it is up once /health answers at all."""
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + HEALTHY_WITHIN_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"proxy exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with OPENER.open(self.url + "/health", timeout=2):
-                    return
-            except urllib.error.HTTPError as e:
-                e.close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"proxy not answering within {HEALTHY_WITHIN_S:.0f} s; see {self.log_path}")
+    assert not kv_cache_empty_within([stack.prefill, stack.decode], 30.0), "a refused request left KV blocks held"
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +179,8 @@ def dead_decode_proxy(stack, artifacts):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     log_dir = artifacts / "openai_client"
     log_dir.mkdir(parents=True, exist_ok=True)
-    proxy = _ProxyWithDeadDecode(stack.prefill.base_url, dead, log_dir / "proxy-dead-decode.log",
-                                 {"PYTHONPATH": stack.prefill.env.get("PYTHONPATH", "")})
+    proxy = ProxyProcess(stack.prefill.base_url, dead, log_dir / "proxy-dead-decode.log",
+                         {"PYTHONPATH": stack.prefill.env.get("PYTHONPATH", "")}, unhealthy_ok=True)
     # A short client timeout: a proxy that hangs on a dead D fails here as APITimeoutError.
     client = openai_client(proxy.url, timeout=120.0)
     try:
@@ -260,4 +225,4 @@ def test_dead_decode_is_an_openai_error(dead_decode_proxy, stack, route, stream)
         _error_shape(e.body, dead)
     else:
         pytest.fail(f"no error through a dead D: {answer!r} {chunks!r}")
-    assert not wait_cache_empty([stack.prefill]), "P still holds the blocks of a handoff nobody claimed"
+    assert not kv_cache_empty_within([stack.prefill], 30.0), "P still holds the blocks of a handoff nobody claimed"

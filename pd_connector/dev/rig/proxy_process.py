@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -18,7 +19,10 @@ HEALTHY_WITHIN_S = 60.0
 
 class ProxyProcess:
     def __init__(self, prefill_url: str, decode_url: str, log_path: Path,
-                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()):  # fmt: skip
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+                 unhealthy_ok: bool = False):  # fmt: skip
+        # unhealthy_ok: up once /health answers at all (a 503 too: a proxy whose upstreams are down).
+        self._unhealthy_ok = unhealthy_ok
         port = free_port()
         self.log_path = Path(log_path)
         self.url = f"http://127.0.0.1:{port}"
@@ -49,6 +53,11 @@ class ProxyProcess:
             try:
                 with OPENER.open(self.url + "/health", timeout=2):
                     return
+            except urllib.error.HTTPError as e:
+                e.close()
+                if self._unhealthy_ok:
+                    return
+                time.sleep(0.2)
             except OSError:
                 time.sleep(0.2)
         raise RuntimeError(f"proxy not healthy within {HEALTHY_WITHIN_S:.0f} s; see {self.log_path}")
