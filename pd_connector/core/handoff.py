@@ -284,6 +284,12 @@ def decide_on_decode(
     return Accepted(offset=offset, params=params)
 
 
+def checkpoint_prompt_length(decision: Accepted, num_prompt_tokens: int) -> int:
+    """The prompt whose checkpoints D registers (those aggregated serving keeps for it): P's R
+    tokens under zero replay, where D's prompt is them plus P's first token; else D's own."""
+    return decision.offset if decision.params.pd_first_token is not None else num_prompt_tokens
+
+
 def trust_refusal(
     params: HandoffParams, raw_params: object, trust_in: trust.Trust, now: float
 ) -> tuple[str, str] | None:
@@ -437,6 +443,7 @@ __all__ = [
     "HandoffPlan",
     "RecomputeProfile",
     "Refused",
+    "checkpoint_prompt_length",
     "checkpoint_to_keep",
     "decide_on_decode",
     "mamba_checkpoint_position",

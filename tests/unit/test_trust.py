@@ -250,3 +250,12 @@ def test_a_non_loopback_side_channel_without_a_secret_says_what_is_exposed(host)
 @pytest.mark.parametrize("host,secret", [("127.0.0.1", False), ("::1", False), ("localhost", False), ("10.0.0.5", True)])
 def test_negative_control_loopback_or_a_secret_says_nothing(host, secret):
     assert trust.exposure_warning(host, has_secret=secret) == ""
+
+
+def test_zero_replay_registers_the_checkpoints_of_ps_prompt_not_ds():
+    from pd_connector.core.handoff import checkpoint_prompt_length
+
+    zero = decide(issued(offset=12, first_token=42), SEALED, n=13, token_at=(list(range(12)) + [42]).__getitem__)
+    assert checkpoint_prompt_length(zero, 13) == 12
+    # Negative control: under replay D's own prompt is the one aggregated serving computed.
+    assert checkpoint_prompt_length(decide(issued(offset=10), SEALED), 12) == 12

@@ -162,10 +162,7 @@ class DecodeScheduler:
                 decision = shifted
         if self._checkpoints is not None:
             withheld = self._faults is not None and self._faults.withholds_checkpoints(params)
-            # Zero replay: D's prompt is P's plus P's first token; the checkpoints aggregated
-            # serving keeps are those of P's prompt, R tokens long.
-            zero_replay = decision.params.pd_first_token is not None
-            prompt_len = decision.offset if zero_replay else request.num_prompt_tokens
+            prompt_len = handoff.checkpoint_prompt_length(decision, request.num_prompt_tokens)
             placed = self._checkpoints.placeable(params, prompt_len, decision.offset, withheld)
             if placed:
                 decision = msgspec.structs.replace(decision, checkpoints=placed)
