@@ -162,36 +162,62 @@ def checkpoint_to_pin(num_prompt_tokens: int, offset: int, rule: CheckpointRule)
 
 def junction_to_pin(num_prompt_tokens: int, plan: HandoffPlan, profile: RecomputeProfile, rule: CheckpointRule) -> int:
     """The shared-prefix boundary P pins for a handoff: the whole prompt's checkpoint for its own
-    next turn (``handoff.checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none."""
+    next turn (``handoff.checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none.
+    A whole-prompt plan pins only what a prefill of the whole prompt would not keep."""
     if plan.offset <= 0:
         return 0
+    if plan.whole_prompt:
+        return checkpoint_to_pin(num_prompt_tokens, num_prompt_tokens, rule)
     return checkpoint_to_keep(plan, profile) or checkpoint_to_pin(num_prompt_tokens, plan.offset, rule)
 
 
+def whole_prompt_states(num_prompt_tokens: int, rule: CheckpointRule) -> tuple[int, ...]:
+    """The states P keeps when it prefills the whole prompt (and stops there, as P does), with
+    the junction a whole-prompt plan pins: where a replay can resume on a hybrid
+    (``handoff.plan_handoff``)."""
+    junction = checkpoint_to_pin(num_prompt_tokens, num_prompt_tokens, rule)
+    return kept_checkpoints(num_prompt_tokens, rule, computed=num_prompt_tokens, junction=junction)
+
+
 def checkpoints_to_hand_over(
-    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0
+    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0, computed: int | None = None
 ) -> tuple[int, ...]:
     """P's choice: the checkpoints an aggregated server keeps for the whole prompt that lie
-    below the offset R (R itself is the state handed over anyway) and that P, prefilling a
-    prompt truncated to R with ``junction`` pinned (``handoff.checkpoint_to_keep`` or
-    ``checkpoint_to_pin``), computes and keeps too."""
+    below the offset R (R itself is the state handed over anyway) and that P, prefilling
+    ``computed`` prompt tokens (the prompt truncated to R by default; N under a whole-prompt
+    plan) with ``junction`` pinned (``junction_to_pin``), computes and keeps too."""
     if offset <= 0 or not rule.keeps_states:
         return ()
-    held = set(kept_checkpoints(offset, rule, computed=offset, junction=junction))
+    prefilled = offset if computed is None else computed
+    held = set(kept_checkpoints(prefilled, rule, computed=prefilled, junction=junction))
     return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p in held)
 
 
 def checkpoints_not_computed(
-    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0
+    num_prompt_tokens: int, offset: int, rule: CheckpointRule, junction: int = 0, computed: int | None = None
 ) -> tuple[int, ...]:
-    """The aggregated server's checkpoints below R that P's truncated prefill never keeps, pin
-    included (the EAGLE drop's sub-block tail N - u on a prompt of whole units, which a junction
-    cannot stop at; multi-module MTP's re-prefillable tail). Nothing to hand over: D keeps them
-    only as before, where the offset lands on one."""
+    """The aggregated server's checkpoints below R that P's prefill never keeps, pin included
+    (truncated: the EAGLE drop's sub-block tail N - u on a prompt of whole units, which a
+    junction cannot stop at; multi-module MTP's re-prefillable tail). Nothing to hand over: D
+    keeps them only as before, where the offset lands on one."""
     if offset <= 0 or not rule.keeps_states:
         return ()
-    handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule, junction))
+    handed = set(checkpoints_to_hand_over(num_prompt_tokens, offset, rule, junction, computed))
     return tuple(p for p in kept_checkpoints(num_prompt_tokens, rule) if p < offset and p not in handed)
+
+
+def resume_state(
+    source: list[list[int]], states: Sequence[CheckpointBlocks], offset: int
+) -> tuple[list[list[int]], list[CheckpointBlocks]] | None:
+    """P side, a hybrid's whole-prompt replay plan: the blocks to hand over with each Mamba
+    group's state taken from P's checkpoint at the offset (not the request's tip, which holds the
+    state after the whole prompt), and the checkpoints below it. None if P holds no state there
+    (vLLM did not offer it): nothing can be handed over."""
+    at = [s for s in states if s.position == offset]
+    if not at:
+        return None
+    blocks = [list(state_ids) if state_ids else list(ids) for ids, state_ids in zip(source, at[0].block_ids)]
+    return blocks, [s for s in states if s.position < offset]
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -285,5 +311,7 @@ __all__ = [
     "junction_to_pin",
     "kept_checkpoints",
     "place_checkpoints",
+    "resume_state",
     "state_blocks",
+    "whole_prompt_states",
 ]

@@ -101,11 +101,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # land in blocks D has reused), so D keeps waiting. A healthy READ takes well under a second;
     # one past this points at the transport (docs/operations.md, "Slow READs").
     read_warn_seconds: float = 5.0
-    # P (prefix caching on a hybrid): D recomputes up to this many tokens beyond its minimum so
-    # that the handoff lands on vLLM's prompt checkpoint, which D then keeps in its own prefix
-    # cache. 0: D recomputes only its minimum whatever the cache mode (the next turn is prefilled
-    # by P anyway; D's own hit saves only part of a READ). handoff.plan_handoff.
-    max_checkpoint_recompute: int = 0
+    # P (replay, prefix caching on a hybrid): how many tokens beyond its minimum D may recompute
+    # so that P prefills the whole prompt as aggregated serving does and the handoff resumes at
+    # vLLM's prompt checkpoint (which both sides then keep). None: no bound, so neither side
+    # reuses less than aggregated serving. Past the bound P truncates its prefill and loses
+    # part of that reuse. handoff.plan_handoff.
+    max_checkpoint_recompute: int | None = None
     # D forgets a P engine no load has used for this long (its NIXL agent, descriptor lists and
     # side-channel sockets): vLLM gives every P start a fresh engine id, so a P restarted or
     # scaled away is never used again. A forgotten P that comes back costs one handshake.
@@ -166,7 +167,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(f"nixl_ucx_error_handling must be 'peer' or 'none', got {self.nixl_ucx_error_handling!r}")
         if self.min_recompute_tokens < 0:
             raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
-        if self.max_checkpoint_recompute < 0:
+        if self.max_checkpoint_recompute is not None and self.max_checkpoint_recompute < 0:
             raise ValueError(f"max_checkpoint_recompute must be >= 0, got {self.max_checkpoint_recompute}")
         if self.nixl_num_threads < 0:
             raise ValueError(f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}")

@@ -96,6 +96,11 @@ class HandoffPlan(msgspec.Struct, frozen=True):
     offset: int
     checkpoint: int = 0
     first_token: bool = False
+    # P computes all N prompt tokens, as aggregated serving does (same chunk ends, same
+    # checkpoints in its prefix cache), and hands over a prefix R of them: the attention KV of
+    # [0, R) and, on a hybrid, the state at R from the prompt checkpoint P keeps there. False: P
+    # truncates its prompt to R, and the state at R is its request's own.
+    whole_prompt: bool = False
 
 
 def plan_handoff(
@@ -103,8 +108,9 @@ def plan_handoff(
     profile: RecomputeProfile,
     requested_min_recompute: int = 0,
     configured_min_recompute: int = 0,
-    max_checkpoint_recompute: int = 0,
+    max_checkpoint_recompute: int | None = 0,
     first_token: bool = False,
+    whole_prompt_states: tuple[int, ...] | None = None,
 ) -> HandoffPlan:
     """P's single decision: how many prompt tokens to compute and hand over.
 
@@ -119,13 +125,20 @@ def plan_handoff(
     router passes it (the ``pd_min_recompute_tokens`` field), and ``configured_min_recompute``,
     P's ``min_recompute_tokens`` setting, for routers that pass no hint (vllm-router replaces
     the whole ``kv_transfer_params`` it sends P) in front of decode instances that need a longer
-    tail than P's own. The offset is ``N - tail`` in every cache mode: D recomputes only that.
+    tail than P's own.
 
-    With prefix caching on a hybrid, D registers the state it receives at the offset only:
-    vLLM's MambaManager gives a handoff's request a state block at its tip and null blocks below
-    (``MambaManager.allocate_new_blocks``), so D keeps the prompt checkpoint ``C`` in its own
-    prefix cache only when the offset is ``C``. ``max_checkpoint_recompute`` trades D compute for
-    that: when ``N - tail - C`` is at most this many tokens, the offset is ``C``.
+    Replay: P computes the whole prompt whenever a prefix of it can be handed over
+    (``whole_prompt_states`` is not None: the positions whose recurrent state P keeps when it
+    prefills the whole prompt, ``checkpoints.kept_checkpoints``; None where vLLM frees KV below
+    the last window before the handoff, sliding-window groups, or the caller plans a truncated
+    prefill). Attention KV is positional, so R = N - tail. A hybrid's state exists only where P
+    keeps one: R is vLLM's prompt checkpoint C (``mamba_checkpoint_position``, the state
+    aggregated serving keeps for the next turn), so P reuses what aggregated serving does and
+    adds no chunk stop, and D recomputes N - C tokens (at most a unit, two with the EAGLE drop)
+    instead of the tail; D registers C, so its next turn hits C too.
+    ``max_checkpoint_recompute`` bounds those extra tokens (None: unbounded). Beyond the bound,
+    with no checkpoint (prefix caching off) or one P does not keep, P truncates its prompt to
+    R = N - tail, or to C when the bound covers it, and hands over its own tip state.
 
     The offset lies in ``[0, N)``; 0 means "nothing worth handing over": D recomputes the whole
     prompt.
@@ -136,13 +149,17 @@ def plan_handoff(
     unit = profile.replay_grid
     checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop) if unit > 0 else 0
     if first_token and tail == 1:
-        return HandoffPlan(num_prompt_tokens, checkpoint, first_token=True)
+        return HandoffPlan(num_prompt_tokens, checkpoint, first_token=True, whole_prompt=True)
     offset = max(0, num_prompt_tokens - tail)
-    if unit <= 0:
-        return HandoffPlan(offset)
-    if 0 < checkpoint <= offset and offset - checkpoint <= max_checkpoint_recompute:
-        offset = checkpoint
-    return HandoffPlan(offset, checkpoint)
+    whole = whole_prompt_states is not None and offset > 0
+    if unit > 0 and 0 < checkpoint <= offset:
+        within = max_checkpoint_recompute is None or offset - checkpoint <= max_checkpoint_recompute
+        if within and whole and checkpoint in whole_prompt_states:
+            return HandoffPlan(checkpoint, checkpoint, whole_prompt=True)
+        if within and max_checkpoint_recompute is not None:
+            return HandoffPlan(checkpoint, checkpoint)
+    # Attention KV is positional: any prefix of the whole prompt's is the prefix's own.
+    return HandoffPlan(offset, checkpoint, whole_prompt=whole and not profile.has_recurrent_state)
 
 
 def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
@@ -174,11 +191,12 @@ def pinned_boundary(current: int, keep: int) -> int | None:
     return keep if current in (0, keep) else None
 
 
-def offered_offset(chosen: int, num_computed_tokens: int) -> int:
-    """What P may hand over at finish: the chosen offset only if P computed exactly that many
-    tokens. The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
+def offered_offset(chosen: int, num_computed_tokens: int, planned: int | None = None) -> int:
+    """What P may hand over at finish: the chosen offset only if P computed exactly the tokens
+    it planned to (``planned``: the whole prompt's N under a whole-prompt plan, else the offset
+    itself). The recurrent state in P's slot is the state after ``num_computed_tokens``; calling
     it the state at another position is the silent desync this project exists to prevent."""
-    return chosen if chosen > 0 and num_computed_tokens == chosen else 0
+    return chosen if chosen > 0 and num_computed_tokens == (chosen if planned is None else planned) else 0
 
 
 def requested_decode_requests(raw: object) -> int | None:

@@ -136,14 +136,22 @@ class CheckpointPool:
                     self.pool.free_blocks([old])
                 self._pins[request_id][tokens][group] = block
 
-    def hand_over(self, request_id: str) -> list[CheckpointBlocks]:
+    def hand_over(self, request: "Request") -> list[CheckpointBlocks]:
         """At finish: the wanted states pinned for every Mamba group, in the wire form; their pins
-        go with the lease (``release``). A wanted state vLLM never offered is counted."""
+        go with the lease (``release``). A state vLLM did not offer because the request's prefix
+        hit covered it is pinned from the prefix cache; a wanted state in neither is counted."""
+        request_id = request.request_id
         wanted = self._wanted.pop(request_id, frozenset())
         pins = self._pins.pop(request_id, {})
         out, keep = [], []
         for position in sorted(wanted):
             by_group = pins.pop(position, {})
+            if len(by_group) < len(self._index):
+                cached = self._cached_blocks(request, position)
+                if cached is not None:
+                    self.pool.touch(list(cached.values()))
+                    self.pool.free_blocks(by_group.values())
+                    by_group = cached
             state = checkpoints.state_blocks(self.layouts, position, {g: b.block_id for g, b in by_group.items()})
             if state is None:
                 self.recorder.count("p_checkpoint_not_pinned")
@@ -217,10 +225,17 @@ class CheckpointPool:
         return todo, checkpoints.checkpoint_pairs(self.layouts, todo, local)
 
     def _cached(self, request: "Request", position: int) -> bool:
-        """D's prefix cache already holds the state at ``position`` in every Mamba group."""
+        """This engine's prefix cache already holds the state at ``position`` in every Mamba group."""
+        return self._cached_blocks(request, position) is not None
+
+    def _cached_blocks(self, request: "Request", position: int) -> "dict[int, KVCacheBlock] | None":
+        """The prefix cache's blocks holding ``request``'s state at ``position`` (transfer-group
+        index -> block), looked up by the hash vLLM's caching keys it under; None unless every
+        Mamba group has one."""
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         pool = self.pool
+        found: dict[int, KVCacheBlock] = {}
         for group, vllm_group in zip(range(len(self.layouts)), self.group_ids):
             layout = self.layouts[group]
             if layout.kind != MAMBA:
@@ -230,9 +245,11 @@ class CheckpointPool:
                 block_hash = request.block_hashes[position // pool.hash_block_size - 1]
             else:
                 block_hash = resolve_block_hashes(request.block_hashes, pool.hash_block_size, layout.block_size)[index]
-            if not pool.get_cached_block(block_hash, [vllm_group]):
-                return False
-        return True
+            cached = pool.get_cached_block(block_hash, [vllm_group])
+            if not cached:
+                return None
+            found[group] = cached[0]
+        return found
 
     def settle(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """Loads that ended: register what was read (not a failed load's blocks), then free."""

@@ -54,7 +54,11 @@ def pair(models_root, artifacts):
         server_args=("--enable-prefix-caching",),
         extra_config=SPEC_EXTRA_CONFIG,
     )
-    a = make_instances(spec, ["off"])
+    # A as P truncates its prefill to N - 1 (a bound of 0 on D's extra tokens): the path the
+    # tests above the last pin, checkpoints below R included. B keeps the default (P prefills
+    # the whole prompt and the handoff resumes on its checkpoint), which the last test runs
+    # with B as P and A as D.
+    a = make_instances(dataclasses.replace(spec, extra_config={**SPEC_EXTRA_CONFIG, "max_checkpoint_recompute": 0}), ["off"])
     # B on the other core: two instances pinned to one core starve each other (cpu_binds). B
     # takes the fault switch for the negative control (inert unless a request asks).
     b_spec = dataclasses.replace(spec, log_dir=artifacts / "multiturn-d", env={faults.ENV: "1"})
@@ -270,3 +274,36 @@ def test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset(pair, withheld
     else:
         assert hits >= 2 * block, f"D's turn 2 hit {hits} tokens, expected the checkpoint {2 * block}"
     assert check(_salted(a, turn2, f"ckpt-turn2-{int(withheld)}"), out2).ok
+
+
+def test_whole_prompt_replay_resumes_on_ps_checkpoint_and_reuses_what_aggregated_serving_does(pair):
+    """The default replay plan with real GDN state: B as P prefills the whole prompt as
+    aggregated serving does and hands over the state it keeps at vLLM's prompt checkpoint C
+    (not its tip, the state after all N tokens); A as D recomputes exactly N - R prompt tokens
+    (its own ``local_compute``) and answers as aggregated serving does; turn 2 hits at least
+    aggregated serving's on both sides. Runs last: B's prefix cache then holds P entries. Not
+    vacuous: at B + 5 and 2B + 20, R = C lies below N - 1 (D recomputes 5 and 20 tokens), where a
+    tip handed over as C (the state 5 or 20 tokens later) gave other text (tests/vllm/
+    test_replay_turns.py pins the block)."""
+    a, b = pair
+    block = int(b.server.cache_config()["block_size"])
+    below = 0
+    for i, n in enumerate([block + 5, 2 * block + 20, block + 1, block + block // 4 + 5]):
+        turn1 = random_prompt(n, seed=500 + i)
+        before = _local_compute(a)
+        params, out1 = handoff(b, a, turn1, MAX_TOKENS)
+        time.sleep(1.0)
+        r, computed = params.get("replay_offset"), _local_compute(a) - before
+        checkpoint = get_mamba_prefill_checkpoint_position(n, block, False)
+        row = dict(n=n, offset=r, computed=computed, checkpoint=checkpoint)
+        print(row)
+        assert r in (n - 1, checkpoint) and computed == n - r, row
+        below += r < n - 1
+        salt = f"whole-{n}"
+        assert check(_salted(b, turn1, salt), out1).ok, row
+        turn2 = turn1 + out1.token_ids + random_prompt(16, seed=600 + i)
+        row["hit_aggregated"] = _hit_delta(b, lambda: _salted(b, turn2, salt, 1))
+        row["hit_p"] = _hit_delta(b, lambda: b.prefill(turn2))
+        row["hit_d"] = _hit_delta(a, lambda: a.reference(turn2, 1))
+        assert row["hit_p"] >= row["hit_aggregated"] and row["hit_d"] >= row["hit_aggregated"], row
+    assert below >= 2, "no length resumed below N - 1 on P's checkpoint"

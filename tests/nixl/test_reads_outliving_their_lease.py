@@ -141,26 +141,43 @@ def test_without_the_hold_check_the_outliving_read_loads_another_requests_bytes(
 def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
     """The hold moves with every extension P confirms: a READ in flight for several leases,
     kept alive by D's extensions, loads (and P never expires it)."""
+    # Longer than LEASE_S: the margin a confirmed extension leaves must cover a stall of a
+    # loaded CI box between two extensions (CI once saw none confirmed within a 2 s lease).
+    lease_s = 3.0
     p = make_engine("layer_major_dense", 40, seed=12)
     d = make_engine("layer_major_dense", 56, seed=None)
     settings = ConnectorSettings(
-        side_channel_host="127.0.0.1", side_channel_port=free_port, lease_seconds=LEASE_S,
-        claim_deadline_seconds=LEASE_S,
+        side_channel_host="127.0.0.1", side_channel_port=free_port, lease_seconds=lease_s,
+        claim_deadline_seconds=lease_s,
     )
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
     sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     want, _ = expected_after(d, p, PAIRS)
+    blocks = [[s for s, _ in g] for g in PAIRS]
     real_state = d.transport.state
     first_poll: list[float] = []
 
     def slow_state(handle):
         first_poll.append(time.monotonic())
-        return PENDING if first_poll[-1] < first_poll[0] + 3 * LEASE_S else real_state(handle)
+        return PENDING if first_poll[-1] < first_poll[0] + 2.5 * lease_s else real_state(handle)
 
+    answers: list[tuple[float, dict[str, float] | None]] = []  # for the failure message
+    real_extend = receiver._calls.extend
+
+    def recorded_extend(*call):
+        reply = real_extend(*call)
+        answers.append((time.monotonic(), None if reply is None else dict(reply.held)))
+        return reply
+
+    receiver._calls.extend = recorded_extend
     try:
-        sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, [[s for s, _ in g] for g in PAIRS])})
-        receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[s for s, _ in g] for g in PAIRS]))
+        # A first handoff connects D to P: the leases below time the READ, not a handshake.
+        sender.grant({"P-r0": SendLease(time.monotonic() + TIMEOUT_S, 15, blocks)})
+        load_one(receiver, RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r0"), PAIRS, 16, 15, blocks))
+        d.mem[:] = 0
+        sender.grant({"P-r1": SendLease(time.monotonic() + lease_s, 15, blocks)})
+        receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, blocks))
         d.transport.state = slow_state
         deadline = time.monotonic() + TIMEOUT_S
         freed: set[str] = set()
@@ -168,11 +185,13 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
         last_extend = 0.0
         while not finished:
             receiver.advance()
-            if time.monotonic() - last_extend > LEASE_S / 3:
+            if time.monotonic() - last_extend > lease_s / 4:
                 receiver.extend(ExtendTask("127.0.0.1", free_port, 1, ["P-r1"]))
                 last_extend = time.monotonic()
             finished, failed = receiver.take_results()
-            assert not failed, receiver.failed
+            start = first_poll[0] if first_poll else 0.0
+            assert not failed, (failed, [(round(t - start, 2), held) for t, held in answers],
+                                dict(sender.recorder.totals))
             freed |= sender.blocks_to_free(p.transport.take_notifications())
             assert time.monotonic() < deadline
             time.sleep(0.01)

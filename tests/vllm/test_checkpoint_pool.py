@@ -80,6 +80,10 @@ def _scheduler(models, config, role, prefix_caching=True):
         num_blocks=3000,
         mamba_exports_checkpoints=exports,
         cache_block_size=split,
+        # A bound of 0: P truncates its prefill unless the offset is its checkpoint, so the
+        # states below R travel as checkpoints. The default (whole prompt, R on the
+        # checkpoint) is tests/vllm/test_replay_turns.py.
+        extra_config={"max_checkpoint_recompute": 0},
     )
 
 
@@ -190,13 +194,15 @@ def test_d_keeps_every_checkpoint_aggregated_serving_keeps(models, config, monke
         assert offset == n - tail and got["local"] == tail, ctx
         # The pure rule is vLLM's: the prompt-only instance keeps exactly these states.
         assert got["kept_prompt_only"] == set(checkpoints.kept_checkpoints(n, rule, computed=n)), ctx
-        junction = checkpoints.junction_to_pin(n, plan_handoff(n, conv.profile), conv.profile, rule)
-        handed = list(checkpoints.checkpoints_to_hand_over(n, offset, rule, junction))
+        plan = plan_handoff(n, conv.profile, whole_prompt_states=checkpoints.whole_prompt_states(n, rule))
+        junction = checkpoints.junction_to_pin(n, plan, conv.profile, rule)
+        computed = n if plan.whole_prompt else offset
+        handed = list(checkpoints.checkpoints_to_hand_over(n, offset, rule, junction, computed))
         assert got["sent"] == handed == got["claimed"], ctx
         handed_any |= bool(handed)
         # D holds each state it received (and its own tip's where the offset is a checkpoint).
         assert set(handed) <= got["kept_d"], ctx
-        missing = checkpoints.checkpoints_not_computed(n, offset, rule, junction)
+        missing = checkpoints.checkpoints_not_computed(n, offset, rule, junction, computed)
         if got["hit_aggregated"] not in missing:
             assert got["hit_d"] >= got["hit_aggregated"], ctx
     assert handed_any, config

@@ -8,7 +8,9 @@ What is checked (docs/architecture.md, "Prefix caching across the handoff"), wit
 with EAGLE and with MTP K = 2 (MTP with a prefix match unit below the block is left out: this
 harness samples no drafts, and its aggregated request never finishes there):
 - D recomputes only its minimum tail in every cache mode.
-- P keeps the whole prompt's checkpoint for its own next turn, though its prompt was truncated
+- With ``max_checkpoint_recompute`` 0 (a bound: past it P truncates its prefill; the default,
+  unbounded, is tests/vllm/test_replay_turns.py), P keeps the whole prompt's checkpoint for its
+  own next turn, though its prompt was truncated
   (vLLM's default retention interval 0 derives kept states from the truncated prompt, so P pins
   the whole prompt's as the request's shared-prefix boundary, handoff.checkpoint_to_keep): P's
   turn-2 hit is at least the aggregated instance's prompt-only hit, except where that hit needs
@@ -181,10 +183,10 @@ def test_d_recomputes_its_minimum_and_p_keeps_the_checkpoint(models, config):
         reprefillable = conv.p.kv_cache_manager.coordinator.num_reprefillable_tokens
         reach = got["hit_prompt_only"] + (conv.unit if conv.drop else 0) + reprefillable
         if got["hit_prompt_only"] == n - tail and (n - tail) % B:
-            # The checkpoint is P's own tip, inside a Mamba block: vLLM registers a sub-block
-            # state only at the truncated prompt's checkpoint (MambaManager.
-            # _cache_partial_tail_block), one unit lower. The documented loss.
-            assert got["hit_p"] == get_mamba_prefill_checkpoint_position(n - tail, conv.unit, conv.drop), ctx
+            # The checkpoint is N - tail, inside a Mamba block: within a bound of 0, P prefills
+            # the whole prompt and resumes there (a truncated P would register its sub-block
+            # state one unit lower, MambaManager._cache_partial_tail_block).
+            assert got["hit_p"] == got["hit_prompt_only"], ctx
         elif reach <= n - tail:
             assert got["hit_p"] >= got["hit_prompt_only"], ctx
         # Never below vLLM's checkpoint of the truncated prompt P computed.

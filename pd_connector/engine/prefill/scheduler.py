@@ -1,11 +1,13 @@
 """P's half of the scheduler side (in vLLM's EngineCore process): what P hands over.
 
-``prepare`` (on_new_request) chooses the replay offset R and truncates the prompt to exactly R
-tokens *before* any prefix lookup (vLLM's NIXL truncated later and tripped ``assert
-num_new_tokens > 0``, vllm#53514), idempotently under preemption, and fingerprints them
-(core/fingerprint.py). ``finish`` (request_finished) leases the blocks carrying [0, R) and the
-state at R for the claim deadline, with the prompt checkpoints below R that it pinned
-(engine/checkpoint_pool.py), and returns them in ``kv_transfer_params``.
+``prepare`` (on_new_request) chooses the replay offset R and what P computes: the whole prompt
+as aggregated serving does where a prefix of it can be handed over (``HandoffPlan.whole_prompt``),
+else the prompt truncated to exactly R tokens *before* any prefix lookup (vLLM's NIXL truncated
+later and tripped ``assert num_new_tokens > 0``, vllm#53514), idempotently under preemption; it
+fingerprints the R tokens (core/fingerprint.py). ``finish`` (request_finished) leases the blocks
+carrying [0, R) and the state at R (a hybrid's checkpoint there when P computed past R) for the
+claim deadline, with the prompt checkpoints below R that it pinned (engine/checkpoint_pool.py),
+and returns them in ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class _Chosen(NamedTuple):
     keep: int = 0
     # Zero replay: P computed the whole prompt, and its first sampled token goes with the handoff.
     first_token: bool = False
+    # The prompt tokens P computes: the offset, or the whole prompt (HandoffPlan.whole_prompt).
+    computes: int = 0
 
 
 _NOTHING = _Chosen(0)
@@ -102,8 +106,8 @@ class PrefillScheduler:
         return leases
 
     def prepare(self, request: "Request", params: dict[str, Any]) -> None:
-        """Choose R and truncate the prompt to it (before any prefix lookup, idempotently
-        under preemption); fingerprint the R tokens."""
+        """Choose R and what P computes (before any prefix lookup, idempotently under
+        preemption); fingerprint the R tokens."""
         if request.request_id in self.offsets:
             return  # already truncated (preempted and re-added)
         requested = self._router_hint(
@@ -134,6 +138,7 @@ class PrefillScheduler:
                 self.settings.min_recompute_tokens,
                 self.settings.max_checkpoint_recompute,
                 first_token=resume == RESUME_FIRST_TOKEN,
+                whole_prompt_states=self._whole_prompt_states(request.num_prompt_tokens),
             )
         offset = plan.offset
         fingerprint = ""
@@ -143,23 +148,39 @@ class PrefillScheduler:
             if fingerprint is None:
                 self.recorder.count("p_no_fingerprint")
                 offset, plan, fingerprint = 0, handoff.HandoffPlan(0), ""
-        keep = 0
-        if offset > 0:
-            rule, n = self.checkpoints.rule, request.num_prompt_tokens
-            keep = checkpoints.junction_to_pin(n, plan, self.profile, rule)
-            self.checkpoints.want(request.request_id, checkpoints.checkpoints_to_hand_over(n, offset, rule, keep))
-            missing = checkpoints.checkpoints_not_computed(n, offset, rule, keep)
-            if missing:
-                self.recorder.count("p_checkpoint_not_computed", len(missing))
-            drop = request.num_prompt_tokens - offset
-            if drop:
-                del request.prompt_token_ids[offset:]
-                del request._all_token_ids[offset:]
-                request.num_prompt_tokens = offset
-            logger.debug("pd_connector: %s prefills %d of %d tokens", request.request_id, offset, offset + drop)
-        self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep, plan.first_token)
+        keep, computes = self._prefill(request, plan, offset) if offset > 0 else (0, 0)
+        self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep, plan.first_token, computes)
         # P samples one token: the router throws it away (replay) or carries it to D (zero replay).
         request.max_tokens = 1
+
+    def _prefill(self, request: "Request", plan: handoff.HandoffPlan, offset: int) -> tuple[int, int]:
+        """Set up P's prefill for handing over ``offset`` tokens: the checkpoints to pin and the
+        junction to keep; truncate the prompt unless the plan computes it whole. Returns (the
+        junction, the prompt tokens P computes)."""
+        rule, n = self.checkpoints.rule, request.num_prompt_tokens
+        computes = n if plan.whole_prompt else offset
+        keep = checkpoints.junction_to_pin(n, plan, self.profile, rule)
+        wanted = checkpoints.checkpoints_to_hand_over(n, offset, rule, keep, computes)
+        if offset < computes and self.profile.has_recurrent_state:
+            wanted += (offset,)  # the state D resumes on: P's checkpoint there, not its tip
+        self.checkpoints.want(request.request_id, wanted)
+        missing = checkpoints.checkpoints_not_computed(n, offset, rule, keep, computes)
+        if missing:
+            self.recorder.count("p_checkpoint_not_computed", len(missing))
+        if computes < n:
+            del request.prompt_token_ids[computes:]
+            del request._all_token_ids[computes:]
+            request.num_prompt_tokens = computes
+        logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, offset)
+        return keep, computes
+
+    def _whole_prompt_states(self, num_prompt_tokens: int) -> tuple[int, ...] | None:
+        """Where P keeps the recurrent state prefilling the whole prompt (plan_handoff); None
+        with a sliding-window group, whose KV below the last window vLLM frees before
+        request_finished (``remove_skipped_blocks``), so no prefix of the prompt stays whole."""
+        if any(layout.kind == pairing.SLIDING_WINDOW for layout in self.layouts):
+            return None
+        return checkpoints.whole_prompt_states(num_prompt_tokens, self.checkpoints.rule)
 
     def keep_prompt_checkpoint(self, request: "Request") -> None:
         """Right after vLLM's local prefix lookup (get_num_new_matched_tokens): pin the whole
@@ -197,27 +218,7 @@ class PrefillScheduler:
         if chosen.first_token and first_token is None:
             self.checkpoints.drop(request.request_id)
             return False, self._returned_params(request, 0, [], "")
-        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens)
-        if offset != chosen.offset:
-            logger.warning(
-                "pd_connector: %s computed %d tokens, not the replay offset %d; handing over "
-                "nothing (the decode instance will prefill locally)",
-                request.request_id,
-                request.num_computed_tokens,
-                chosen.offset,
-            )
-            self.recorder.count("p_offset_not_computed")
-        source: list[list[int]] = []
-        if offset:
-            transfer_ids = tuple(block_ids[g] for g in self.group_ids)
-            try:
-                source = pairing.select_source_blocks(self.layouts, transfer_ids, offset)
-            except pairing.PairingError as exc:
-                # Inside EngineCore's request_finished: an exception here would take the engine
-                # down. Hand over nothing; D recomputes.
-                logger.warning("pd_connector: %s: cannot select the blocks to hand over: %s", request.request_id, exc)
-                self.recorder.count("p_pairing_failed")
-                offset = 0
+        offset, source = self._source_blocks(request, chosen, block_ids)
         now = time.monotonic()
         if offset:
             shared = self._shared_sibling_params(request.request_id, chosen.fingerprint, now)
@@ -230,7 +231,10 @@ class PrefillScheduler:
         if not offset:
             self.checkpoints.drop(request.request_id)
             return False, self._returned_params(request, offset, source, "")
-        states = self.checkpoints.hand_over(request.request_id)
+        resumed = self._hand_over_states(request, offset, chosen.computes, source)
+        if resumed is None:
+            return False, self._returned_params(request, 0, [], "")
+        source, states = resumed
         out = self._returned_params(request, offset, source, chosen.fingerprint, states, first_token)
         self.to_send[request.request_id] = SendLease(
             deadline=now + self._initial_lease,
@@ -245,6 +249,47 @@ class PrefillScheduler:
             self._sibling_params[(parent, chosen.fingerprint)] = (now + self._initial_lease, out)
         self.recorder.count("handoff_offered")
         return True, out
+
+    def _source_blocks(self, request: "Request", chosen: _Chosen, block_ids: tuple[list[int], ...]):
+        """(the offset P may hand over, the blocks carrying it); offset 0: nothing."""
+        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens, chosen.computes)
+        if offset != chosen.offset:
+            logger.warning(
+                "pd_connector: %s computed %d tokens, not the %d planned for the replay offset %d; "
+                "handing over nothing (the decode instance will prefill locally)",
+                request.request_id,
+                request.num_computed_tokens,
+                chosen.computes,
+                chosen.offset,
+            )
+            self.recorder.count("p_offset_not_computed")
+        source: list[list[int]] = []
+        if offset:
+            transfer_ids = tuple(block_ids[g] for g in self.group_ids)
+            try:
+                source = pairing.select_source_blocks(self.layouts, transfer_ids, offset)
+            except pairing.PairingError as exc:
+                # Inside EngineCore's request_finished: an exception here would take the engine
+                # down. Hand over nothing; D recomputes.
+                logger.warning("pd_connector: %s: cannot select the blocks to hand over: %s", request.request_id, exc)
+                self.recorder.count("p_pairing_failed")
+                offset = 0
+        return offset, source
+
+    def _hand_over_states(self, request: "Request", offset: int, computed: int, source: list[list[int]]):
+        """The blocks and checkpoints to lease: a hybrid that computed past the offset resumes on
+        its checkpoint there (``checkpoints.resume_state``). None (nothing pinned is kept) when
+        P holds no state at the offset."""
+        states = self.checkpoints.hand_over(request)
+        if not (self.profile.has_recurrent_state and offset < computed):
+            return source, states
+        resumed = checkpoints.resume_state(source, states, offset)
+        if resumed is None:
+            logger.warning("pd_connector: %s: no state kept at the replay offset %d; handing over nothing",
+                           request.request_id, offset)
+            self.recorder.count("p_resume_state_not_kept")
+            self.checkpoints.drop(request.request_id)
+        return resumed
 
     def _first_token(self, request: "Request") -> int | None:
         """Zero replay: the token P sampled, which travels with the handoff; None when it ended
