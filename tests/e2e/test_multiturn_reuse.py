@@ -17,6 +17,11 @@ caching on one side only is pinned in process (tests/vllm/test_scheduler_integri
 tests/vllm/test_checkpoint_handover.py): a third, uncached instance here froze on its first
 connection in 2 of 5 runs (docs/operations.md, "Unanswered first calls").
 
+The tests above run A as P with ``max_checkpoint_recompute`` 0 (P truncates its prefill to
+N - 1 unless that is its checkpoint): the truncated path. The last two run the default with B as
+P and A as D: P prefills the whole prompt and the handoff resumes on P's checkpoint C, directly
+and behind vllm-router (the replay path, P's turn-2 hit at least aggregated serving's).
+
 Qwen3-Next (GDN) is the only hybrid whose CPU kernels run prefix caching (the Mamba2 hybrids crash
 in align mode, docs/testing.md); bf16, so outputs use the margin-aware oracle of
 spec_matrix.check_bf16. Two kv_both instances: A is P and the aggregated reference, B is D (kept
@@ -32,13 +37,16 @@ import pytest
 
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from pd_connector.core.params import KEY_CHECKPOINTS
+from pd_connector.core.params import KEY_CHECKPOINTS, KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
 from pd_connector.dev.rig.cpu_matrix import random_prompt
 from pd_connector.dev.rig.oracle import complete
 from pd_connector.dev.rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
 from pd_connector.dev.rig.spec_matrix import check_bf16 as check
 from pd_connector.dev.rig.tiny_models import build_model
 from pd_connector.engine import faults
+from pd_connector.dev.rig.ports import free_port
+from support.kv_events import HASH_ENV, KvEvents, by_group, kv_events_args
+from support.router import VllmRouter, router_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -46,13 +54,20 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def pair(models_root, artifacts):
+def events_ports() -> tuple[int, int]:
+    """Where A and B publish their KV events (test_kv_events_*)."""
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def pair(models_root, artifacts, events_ports):
     spec = InstanceSpec(
         model=str(build_model("qwen3_next_mtp", models_root)),
         log_dir=artifacts / "multiturn",
         max_model_len=2048,
-        server_args=("--enable-prefix-caching",),
+        server_args=("--enable-prefix-caching", *kv_events_args(events_ports[0])),
         extra_config=SPEC_EXTRA_CONFIG,
+        env=HASH_ENV,  # block hashes agree across the two instances (support/kv_events.py)
     )
     # A as P truncates its prefill to N - 1 (a bound of 0 on D's extra tokens): the path the
     # tests above the last pin, checkpoints below R included. B keeps the default (P prefills
@@ -61,7 +76,10 @@ def pair(models_root, artifacts):
     a = make_instances(dataclasses.replace(spec, extra_config={**SPEC_EXTRA_CONFIG, "max_checkpoint_recompute": 0}), ["off"])
     # B on the other core: two instances pinned to one core starve each other (cpu_binds). B
     # takes the fault switch for the negative control (inert unless a request asks).
-    b_spec = dataclasses.replace(spec, log_dir=artifacts / "multiturn-d", env={faults.ENV: "1"})
+    b_spec = dataclasses.replace(
+        spec, log_dir=artifacts / "multiturn-d", env={**HASH_ENV, faults.ENV: "1"},
+        server_args=("--enable-prefix-caching", *kv_events_args(events_ports[1])),
+    )
     b = make_instances(b_spec, ["off"], first_core=1)
     with running(a, b):
         yield a["off"], b["off"]
@@ -276,6 +294,46 @@ def test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset(pair, withheld
     assert check(_salted(a, turn2, f"ckpt-turn2-{int(withheld)}"), out2).ok
 
 
+KV_EVENT_MODES = ["replay", "zero_replay", "negative_control_withheld"]
+
+
+@pytest.mark.parametrize("mode", KV_EVENT_MODES)
+def test_d_announces_every_block_aggregated_serving_announces(pair, events_ports, mode):
+    """KV events across the handoff (what a cache-aware router indexes): after A serves a prompt
+    aggregated and then hands it over to B (replay, and zero replay with P's first token), B's
+    ``BlockStored`` events include every (group, block hash) A announced, attention blocks and
+    recurrent-state checkpoints alike. N = 2B + 20: the state at 2B is a checkpoint below R that
+    P hands over (A truncates, test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset).
+    Negative control: with that checkpoint withheld, B does not announce it."""
+    a, b = pair
+    block = int(b.server.cache_config()["block_size"])
+    prompt = random_prompt(2 * block + 20, seed=900 + KV_EVENT_MODES.index(mode))
+    with KvEvents(events_ports[0]) as on_a, KvEvents(events_ports[1]) as on_b:
+        time.sleep(1.0)  # ZMQ's slow joiner: subscribed before anything is published
+        mark = on_a.mark()
+        reference = a.reference(prompt, MAX_TOKENS)
+        aggregated = on_a.stored(mark)
+        zero = mode == "zero_replay"
+        params = a.prefill(prompt, **({KEY_RESUME: RESUME_FIRST_TOKEN} if zero else {}))
+        mark = on_b.mark()
+        if zero:
+            first = params[KEY_FIRST_TOKEN]
+            tokens = [first] + b.decode(prompt + [first], params, MAX_TOKENS - 1).token_ids
+        else:
+            withheld = mode == "negative_control_withheld"
+            tokens = b.decode(prompt, {**params, faults.WITHHOLD_CHECKPOINTS: True} if withheld else params,
+                              MAX_TOKENS).token_ids
+        announced = on_b.stored(mark)
+    missing = aggregated - announced
+    row = dict(mode=mode, aggregated=by_group(aggregated), d=by_group(announced), missing=by_group(missing),
+               same_tokens=tokens == reference.token_ids)
+    print(row)
+    assert aggregated and len(by_group(aggregated)) >= 2, row  # attention and state groups announced
+    if mode == "negative_control_withheld":
+        assert missing, row
+    else:
+        assert not missing, row
+
 def test_whole_prompt_replay_resumes_on_ps_checkpoint_and_reuses_what_aggregated_serving_does(pair):
     """The default replay plan with real GDN state: B as P prefills the whole prompt as
     aggregated serving does and hands over the state it keeps at vLLM's prompt checkpoint C
@@ -307,3 +365,28 @@ def test_whole_prompt_replay_resumes_on_ps_checkpoint_and_reuses_what_aggregated
         row["hit_d"] = _hit_delta(a, lambda: a.reference(turn2, 1))
         assert row["hit_p"] >= row["hit_aggregated"] and row["hit_d"] >= row["hit_aggregated"], row
     assert below >= 2, "no length resumed below N - 1 on P's checkpoint"
+
+
+@pytest.mark.skipif(router_binary() is None, reason="vllm-router is not installed (scripts/setup_router_venv.sh)")
+def test_behind_vllm_router_p_and_d_reuse_what_aggregated_serving_does(pair, artifacts):
+    """The replay path behind vllm-router (it sends D the client's request unchanged, so no
+    first token travels): B as P prefills the whole prompt and the handoff resumes on its
+    checkpoint C, A as D computes N - C prompt tokens and answers as aggregated serving does, and
+    turn 2 through the router hits P's prefix cache at least as far as aggregated serving's."""
+    a, b = pair
+    block = int(b.server.cache_config()["block_size"])
+    with VllmRouter([b.server.base_url], [a.server.base_url], log_path=artifacts / "multiturn-router" / "vllm-router.log") as router:
+        for i, n in enumerate([block + 5, 2 * block + 20]):
+            checkpoint = get_mamba_prefill_checkpoint_position(n, block, False)
+            turn1 = random_prompt(n, seed=700 + i)
+            before = _local_compute(a)
+            out1 = complete(router.url, a.served_model_name, turn1, MAX_TOKENS)
+            time.sleep(1.0)
+            row = dict(n=n, checkpoint=checkpoint, computed=_local_compute(a) - before)
+            salt = f"router-{n}"
+            assert row["computed"] == n - checkpoint and check(_salted(b, turn1, salt), out1).ok, row
+            turn2 = turn1 + out1.token_ids + random_prompt(16, seed=800 + i)
+            row["hit_aggregated"] = _hit_delta(b, lambda: _salted(b, turn2, salt, 1))
+            row["hit_p"] = _hit_delta(b, lambda: complete(router.url, a.served_model_name, turn2, 1))
+            print(row)
+            assert row["hit_aggregated"] >= checkpoint and row["hit_p"] >= row["hit_aggregated"], row

@@ -153,6 +153,11 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
     sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
+    # Several slices: P's completion notification rides on the last one, which is posted only
+    # once the first is seen done. A one-slice READ would notify P at once while slow_state
+    # still says pending: P ends the lease on it (rightly) and D, seeing the READ done seconds
+    # later, fails it (CI saw that, as "no extension confirmed").
+    receiver._chunk_bytes = 8192
     want, _ = expected_after(d, p, PAIRS)
     blocks = [[s for s, _ in g] for g in PAIRS]
     real_state = d.transport.state
@@ -189,6 +194,9 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
                 receiver.extend(ExtendTask("127.0.0.1", free_port, 1, ["P-r1"]))
                 last_extend = time.monotonic()
             finished, failed = receiver.take_results()
+            if receiver._reads:
+                read = next(iter(receiver._reads.values()))
+                assert read.xfer.slices > 1, "test bug: a one-slice READ notifies P at once"
             start = first_poll[0] if first_poll else 0.0
             assert not failed, (failed, [(round(t - start, 2), held) for t, held in answers],
                                 dict(sender.recorder.totals))

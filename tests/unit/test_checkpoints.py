@@ -366,3 +366,17 @@ def test_the_claim_carries_checkpoints_on_the_wire():
     claim = Claim("d", "r", 132, [[1, 2, 3], [4]], checkpoints=[CheckpointBlocks(128, [[], [9]])])
     assert decode_message(encode_message(claim)) == claim
     assert decode_message(encode_message(Claim("d", "r", 132, [[1]]))).checkpoints == []
+
+
+def test_resume_state_takes_the_mamba_state_from_the_checkpoint_at_the_offset():
+    """A whole-prompt replay plan: each Mamba group's block is P's checkpoint at R (not the tip
+    ``select_source_blocks`` picked), attention blocks stay, checkpoints below R go along, and
+    none kept at R means nothing to hand over."""
+    from pd_connector.core.checkpoints import resume_state
+    from pd_connector.core.protocol import CheckpointBlocks
+
+    source = [[1, 2, 3], [90], [4, 5, 6], [91]]  # attention, mamba, attention, mamba; 91/90: tips
+    states = [CheckpointBlocks(64, [[], [40], [], [41]]), CheckpointBlocks(128, [[], [50], [], [51]])]
+    blocks, below = resume_state(source, states, 128)
+    assert blocks == [[1, 2, 3], [50], [4, 5, 6], [51]] and below == [states[0]]
+    assert resume_state(source, states[:1], 128) is None

@@ -361,3 +361,53 @@ def test_p_offset_not_computed_hands_over_nothing():
 @pytest.mark.parametrize("raw, expected", [(None, 0), (0, 0), (3, 3), (-1, None), (True, None), ("3", None), (2.0, None), ([3], None)])
 def test_requested_min_recompute(raw, expected):
     assert requested_min_recompute(raw) == expected
+
+
+# --- the whole-prompt replay plan ---------------------------------------------------------------
+
+
+@MANY
+# A grid of recurrent-state checkpoints implies recurrent state (profile_from_vllm).
+@given(prompt_lengths, profiles.filter(lambda p: p.has_recurrent_state or not p.replay_grid), st.integers(0, 40),
+       st.one_of(st.none(), st.integers(0, 300)), st.data())
+def test_whole_prompt_plan_resumes_only_where_p_keeps_the_state(n, profile, requested, bound, data):
+    """Given the states P keeps prefilling the whole prompt: a hybrid's whole-prompt plan
+    resumes at vLLM's prompt checkpoint, which P keeps, within the bound on D's extra tokens; an
+    attention-only plan hands over N - tail of the whole prompt; otherwise P truncates (the plan
+    without states). D always recomputes at least its tail."""
+    checkpoint = mamba_checkpoint_position(n, profile.replay_grid, profile.eagle_drop) if profile.replay_grid else 0
+    states = data.draw(st.sets(st.sampled_from([checkpoint, 1, n // 2, n - 1]) if n > 1 else st.just(0)).map(
+        lambda s: tuple(sorted(p for p in s if 0 < p < n))))
+    plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=bound, whole_prompt_states=states)
+    tail = max(min_recompute_tokens(profile), requested)
+    truncated = plan_handoff(n, profile, requested, max_checkpoint_recompute=bound)
+    assert not truncated.whole_prompt
+    assert plan.offset == 0 or n - plan.offset >= tail
+    if bound is not None:
+        assert max(0, n - tail) - plan.offset <= bound
+    if not plan.whole_prompt:
+        assert plan == truncated
+    elif profile.has_recurrent_state:
+        assert plan.offset == checkpoint == plan.checkpoint and checkpoint in states
+    else:
+        assert plan.offset == n - tail > 0
+    reachable = profile.replay_grid and 0 < checkpoint <= n - tail and checkpoint in states
+    if profile.has_recurrent_state and bound is None and reachable:
+        assert plan.whole_prompt and plan.offset == checkpoint
+
+
+def test_whole_prompt_plan_examples():
+    hybrid = RecomputeProfile(has_recurrent_state=True, replay_grid=64)
+    eagle = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1, replay_grid=16, eagle_drop=True)
+    # N = 2B + 5: resume on the checkpoint 2B, D recomputes 5 tokens.
+    assert plan_handoff(133, hybrid, max_checkpoint_recompute=None, whole_prompt_states=(128,)) == HandoffPlan(
+        128, 128, whole_prompt=True)
+    # A bound of 3 cannot cover the 4 extra tokens: P truncates to N - 1.
+    assert plan_handoff(133, hybrid, max_checkpoint_recompute=3, whole_prompt_states=(128,)) == HandoffPlan(132, 128)
+    # P does not keep the checkpoint (e.g. multi-module MTP's re-prefillable tail): truncate.
+    assert plan_handoff(133, hybrid, max_checkpoint_recompute=None, whole_prompt_states=()) == HandoffPlan(132, 128)
+    # The EAGLE drop on a prompt of whole units: C = N - u, D recomputes a unit.
+    assert plan_handoff(64, eagle, max_checkpoint_recompute=None, whole_prompt_states=(48,)).offset == 48
+    # Attention only: the whole prompt, R = N - 1; not under a sliding window (no states given).
+    assert plan_handoff(40, RecomputeProfile(), whole_prompt_states=()) == HandoffPlan(39, whole_prompt=True)
+    assert plan_handoff(40, RecomputeProfile()) == HandoffPlan(39)
