@@ -11,6 +11,7 @@ import msgspec
 
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import LeaseRef
+from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
     MAX_CLAIM_PARK_MS,
     CheckpointBlocks,
@@ -24,7 +25,6 @@ from pd_connector.core.protocol import (
     Reject,
     Release,
     Welcome,
-    compat_differences,
 )
 from pd_connector.transport import side_channel
 

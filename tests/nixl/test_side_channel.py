@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from pd_connector.transport import side_channel
+from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -26,7 +27,6 @@ from pd_connector.core.protocol import (
     Reject,
     Release,
     Welcome,
-    compat_differences,
     decode_message,
     encode_message,
 )

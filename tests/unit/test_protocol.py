@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_connector.core.params import MAX_BLOCK_ID
+from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -33,7 +34,6 @@ from pd_connector.core.protocol import (
     Reject,
     Release,
     Welcome,
-    compat_differences,
     decode_message,
     encode_message,
 )

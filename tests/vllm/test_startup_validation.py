@@ -10,7 +10,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig,
 
 from pd_connector.core.config import parse_settings
 from pd_connector.transport.backends import missing_backends_message
-from pd_connector.core.protocol import compat_differences
+from pd_connector.core.compat import compat_differences
 from pd_connector.transport.side_channel import SideChannelError, SideChannelServer
 from pd_connector.core.config import UnsupportedConfig
 from pd_connector.engine.from_vllm.refusals import check_supported
@@ -257,7 +257,8 @@ def test_another_model_under_the_same_directory_name_is_refused_at_the_handshake
 
     import msgspec
 
-    from pd_connector.core.protocol import EngineCompat, compat_differences
+    from pd_connector.core.compat import compat_differences
+    from pd_connector.core.protocol import EngineCompat
     from pd_connector.engine.from_vllm.identity import model_files_digest, model_identity
 
     same_a, same_b, other = (shutil.copytree(model_dir, tmp_path / d / "X") for d in ("a", "b", "c"))

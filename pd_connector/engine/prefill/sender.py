@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pd_connector.core import trust
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import GRANTED, UNKNOWN, LeaseTable
+from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
     MAX_CLAIM_PARK_MS,
     Ack,
@@ -35,7 +36,6 @@ from pd_connector.core.protocol import (
     Reject,
     Release,
     Welcome,
-    compat_differences,
     decode_read_done,
 )
 from pd_connector.core.ranks import side_channel_port
