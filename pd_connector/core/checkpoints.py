@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pd_connector.core.handoff import HandoffPlan, RecomputeProfile, checkpoint_to_keep, mamba_checkpoint_position
-from pd_connector.core.pairing import MAMBA, NULL_BLOCK, GroupLayout, cdiv
+from pd_connector.core.pairing import MAMBA, NULL_BLOCK, SLIDING_WINDOW, GroupLayout, cdiv
 from pd_connector.core.protocol import CheckpointBlocks
 
 
@@ -171,12 +171,42 @@ def junction_to_pin(num_prompt_tokens: int, plan: HandoffPlan, profile: Recomput
     return checkpoint_to_keep(plan, profile) or checkpoint_to_pin(num_prompt_tokens, plan.offset, rule)
 
 
-def whole_prompt_states(num_prompt_tokens: int, rule: CheckpointRule) -> tuple[int, ...]:
+def whole_prompt_states(
+    num_prompt_tokens: int, rule: CheckpointRule, layouts: Sequence[GroupLayout] = ()
+) -> tuple[int, ...] | None:
     """The states P keeps when it prefills the whole prompt (and stops there, as P does), with
     the junction a whole-prompt plan pins: where a replay can resume on a hybrid
-    (``handoff.plan_handoff``)."""
+    (``handoff.plan_handoff``). None with a sliding-window group: vLLM frees its KV below the
+    last window before ``request_finished`` (``remove_skipped_blocks``), so no prefix of the
+    prompt stays whole."""
+    if any(layout.kind == SLIDING_WINDOW for layout in layouts):
+        return None
     junction = checkpoint_to_pin(num_prompt_tokens, num_prompt_tokens, rule)
     return kept_checkpoints(num_prompt_tokens, rule, computed=num_prompt_tokens, junction=junction)
+
+
+def states_to_pin(
+    num_prompt_tokens: int, plan: HandoffPlan, recurrent: bool, rule: CheckpointRule, junction: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """P's pins for a plan: (the states it hands over, the aggregated server's checkpoints below
+    R it will not have). A hybrid that prefills past R (a whole-prompt plan) resumes on its
+    checkpoint at R, not its tip, so that state is pinned too."""
+    computed = prefill_length(num_prompt_tokens, plan)
+    wanted = checkpoints_to_hand_over(num_prompt_tokens, plan.offset, rule, junction, computed)
+    if resumes_on_checkpoint(plan.offset, computed, recurrent):
+        wanted += (plan.offset,)
+    return wanted, checkpoints_not_computed(num_prompt_tokens, plan.offset, rule, junction, computed)
+
+
+def resumes_on_checkpoint(offset: int, computed: int, recurrent: bool) -> bool:
+    """A hybrid that computed past the offset hands over its checkpoint there, not its tip
+    (which holds the state after all ``computed`` tokens): ``resume_state``."""
+    return recurrent and 0 < offset < computed
+
+
+def prefill_length(num_prompt_tokens: int, plan: HandoffPlan) -> int:
+    """The prompt tokens P computes under ``plan``: all of them, or the offset it truncates to."""
+    return num_prompt_tokens if plan.whole_prompt else plan.offset
 
 
 def checkpoints_to_hand_over(
@@ -311,7 +341,10 @@ __all__ = [
     "junction_to_pin",
     "kept_checkpoints",
     "place_checkpoints",
+    "prefill_length",
     "resume_state",
+    "resumes_on_checkpoint",
     "state_blocks",
+    "states_to_pin",
     "whole_prompt_states",
 ]

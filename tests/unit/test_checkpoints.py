@@ -380,3 +380,19 @@ def test_resume_state_takes_the_mamba_state_from_the_checkpoint_at_the_offset():
     blocks, below = resume_state(source, states, 128)
     assert blocks == [[1, 2, 3], [50], [4, 5, 6], [51]] and below == [states[0]]
     assert resume_state(source, states[:1], 128) is None
+
+
+def test_states_to_pin_adds_the_resume_state_only_for_a_hybrid_computing_past_r():
+    from pd_connector.core.checkpoints import prefill_length, states_to_pin, whole_prompt_states
+    from pd_connector.core.handoff import HandoffPlan
+    from pd_connector.core.pairing import GroupLayout
+
+    rule = CheckpointRule(block_size=64, unit=64)
+    whole, truncated = HandoffPlan(128, 128, whole_prompt=True), HandoffPlan(132, 128)
+    assert prefill_length(133, whole) == 133 and prefill_length(133, truncated) == 132
+    assert 128 in states_to_pin(133, whole, True, rule, 0)[0]
+    assert 132 not in states_to_pin(133, truncated, True, rule, 0)[0]  # its tip is the state at R
+    assert 128 not in states_to_pin(133, whole, False, rule, 0)[0]  # attention only: no state
+    # A sliding-window group: no prefix of the whole prompt stays whole.
+    assert whole_prompt_states(133, rule, [GroupLayout("sliding_window", 16, sliding_window=32)]) is None
+    assert whole_prompt_states(133, rule, [GroupLayout("attention", 16)]) is not None

@@ -138,7 +138,7 @@ class PrefillScheduler:
                 self.settings.min_recompute_tokens,
                 self.settings.max_checkpoint_recompute,
                 first_token=resume == RESUME_FIRST_TOKEN,
-                whole_prompt_states=self._whole_prompt_states(request.num_prompt_tokens),
+                whole_prompt_states=checkpoints.whole_prompt_states(request.num_prompt_tokens, self.checkpoints.rule, self.layouts),
             )
         offset = plan.offset
         fingerprint = ""
@@ -148,39 +148,28 @@ class PrefillScheduler:
             if fingerprint is None:
                 self.recorder.count("p_no_fingerprint")
                 offset, plan, fingerprint = 0, handoff.HandoffPlan(0), ""
-        keep, computes = self._prefill(request, plan, offset) if offset > 0 else (0, 0)
+        keep, computes = self._prefill(request, plan) if offset > 0 else (0, 0)
         self.offsets[request.request_id] = _Chosen(offset, fingerprint, decode_requests, keep, plan.first_token, computes)
         # P samples one token: the router throws it away (replay) or carries it to D (zero replay).
         request.max_tokens = 1
 
-    def _prefill(self, request: "Request", plan: handoff.HandoffPlan, offset: int) -> tuple[int, int]:
-        """Set up P's prefill for handing over ``offset`` tokens: the checkpoints to pin and the
+    def _prefill(self, request: "Request", plan: handoff.HandoffPlan) -> tuple[int, int]:
+        """Set up P's prefill for handing over ``plan.offset`` tokens: the checkpoints to pin and the
         junction to keep; truncate the prompt unless the plan computes it whole. Returns (the
         junction, the prompt tokens P computes)."""
         rule, n = self.checkpoints.rule, request.num_prompt_tokens
-        computes = n if plan.whole_prompt else offset
+        computes = checkpoints.prefill_length(n, plan)
         keep = checkpoints.junction_to_pin(n, plan, self.profile, rule)
-        wanted = checkpoints.checkpoints_to_hand_over(n, offset, rule, keep, computes)
-        if offset < computes and self.profile.has_recurrent_state:
-            wanted += (offset,)  # the state D resumes on: P's checkpoint there, not its tip
+        wanted, missing = checkpoints.states_to_pin(n, plan, self.profile.has_recurrent_state, rule, keep)
         self.checkpoints.want(request.request_id, wanted)
-        missing = checkpoints.checkpoints_not_computed(n, offset, rule, keep, computes)
         if missing:
             self.recorder.count("p_checkpoint_not_computed", len(missing))
         if computes < n:
             del request.prompt_token_ids[computes:]
             del request._all_token_ids[computes:]
             request.num_prompt_tokens = computes
-        logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, offset)
+        logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, plan.offset)
         return keep, computes
-
-    def _whole_prompt_states(self, num_prompt_tokens: int) -> tuple[int, ...] | None:
-        """Where P keeps the recurrent state prefilling the whole prompt (plan_handoff); None
-        with a sliding-window group, whose KV below the last window vLLM frees before
-        request_finished (``remove_skipped_blocks``), so no prefix of the prompt stays whole."""
-        if any(layout.kind == pairing.SLIDING_WINDOW for layout in self.layouts):
-            return None
-        return checkpoints.whole_prompt_states(num_prompt_tokens, self.checkpoints.rule)
 
     def keep_prompt_checkpoint(self, request: "Request") -> None:
         """Right after vLLM's local prefix lookup (get_num_new_matched_tokens): pin the whole
@@ -281,7 +270,7 @@ class PrefillScheduler:
         its checkpoint there (``checkpoints.resume_state``). None (nothing pinned is kept) when
         P holds no state at the offset."""
         states = self.checkpoints.hand_over(request)
-        if not (self.profile.has_recurrent_state and offset < computed):
+        if not checkpoints.resumes_on_checkpoint(offset, computed, self.profile.has_recurrent_state):
             return source, states
         resumed = checkpoints.resume_state(source, states, offset)
         if resumed is None:
