@@ -24,7 +24,7 @@ venv033: $(STAMP033)
 
 # A P/D run on CPU with a tiny hybrid model, checked token by token against aggregated serving.
 demo: $(STAMP)
-	$(VENV)/bin/pd-connector demo
+	$(VENV)/bin/python -m examples.demo
 
 # Everything on vLLM CPU 0.32 (pure core, in-process vLLM Scheduler, real NIXL, end-to-end vLLM
 # CPU servers), then the in-process Scheduler suite on vLLM 0.33. Each run ends with its wall

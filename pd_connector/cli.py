@@ -1,27 +1,17 @@
-"""``pd-connector`` command line: ``proxy`` (serve the P/D proxy), ``check`` (test a P/D pair),
-``bench`` (run a benchmark) and ``demo``.
+"""``pd-connector`` command line: ``proxy`` (serve the P/D proxy) and ``check`` (test a P/D pair).
 
-Heavy modules (aiohttp, the demo and the benchmarks with their torch/vLLM/NIXL imports) are
-imported only by the subcommand that needs them, so ``--help`` works on a bare install.
+The benchmarks and the demo run from a checkout (``python -m benchmarks``, ``make demo``): they
+are not part of what pip installs. aiohttp is imported only by ``proxy``, so ``--help`` works on
+a bare install.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from typing import Sequence
 
-# ``pd-connector bench NAME`` runs ``pd_connector.dev.benchmarks.NAME.main(argv) -> int``.
-BENCHMARKS = {
-    "transfer": "KV transfer: the connector's READ path vs raw NIXL vs memcpy (needs NIXL)",
-    "transfer_blocks": "KV transfer across attention block sizes: descriptors and time per P:D block ratio vs raw NIXL (needs NIXL)",
-    "transfer_tp": "KV transfer across tensor-parallel sizes: per D rank, descriptors and bytes per P rank vs raw NIXL (needs NIXL)",
-    "scheduler": "µs per request in pd_connector's scheduler hooks vs vLLM's own (in process)",
-    "e2e": "pd_connector vs vLLM's NixlConnector, each behind the proxy, on real vLLM servers (starts servers)",
-    "nixl_progress": "NIXL progress-thread poll delay: idle CPU per agent and a loopback READ (needs NIXL)",
-}
 
 
 def _nonneg_int(text: str) -> int:
@@ -66,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default: INFO)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{proxy,check,bench,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{proxy,check}")
 
     proxy = sub.add_parser(
         "proxy",
@@ -157,33 +147,6 @@ example:
     check.add_argument("--timeout", type=_pos_float, default=120.0, metavar="S",
                        help="seconds allowed for each request (default: 120)")
 
-    bench = sub.add_parser(
-        "bench",
-        help="run a benchmark (prints a table, writes JSON and, for most, a PNG plot)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run one of pd_connector's benchmarks. Measurements, not tests: each prints a "
-        "table and\nwrites JSON (and, for most, a PNG plot), its baselines measured in the same run.\n"
-        "The figures measured for pd_connector, and how: docs/benchmarks.md.\n\n"
-        + "\n".join(f"  {name:<13} {text}" for name, text in BENCHMARKS.items()),
-        epilog="Everything after the benchmark's name goes to the benchmark itself, e.g.\n"
-        "  pd-connector bench transfer --help\n"
-        "  pd-connector bench scheduler --quick",
-    )
-    bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="{" + ",".join(BENCHMARKS) + "}",
-                       help="which benchmark to run")
-    # REMAINDER keeps the benchmark's own options (--help included) away from this parser.
-    bench.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
-                       help="the benchmark's own options (see pd-connector bench NAME --help)")
-
-    demo = sub.add_parser(
-        "demo",
-        help="run the end-to-end demo",
-        description="Run the pd_connector end-to-end demo.",
-    )
-    demo.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                      help="device the demo's vLLM instances run on (default: cpu)")
-    demo.add_argument("--keep-going", action="store_true",
-                      help="continue with the remaining steps after a failed one")
     return parser
 
 
@@ -210,38 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pd_connector.check import run as check_mod
 
         return check_mod.main(args)
-    if args.command == "bench":
-        return run_benchmark(args.benchmark, args.args)
-    if args.command == "demo":
-        from pd_connector.dev import demo as demo_mod
-
-        result = demo_mod.main(args)
-        return result if isinstance(result, int) else 0
     parser.print_help(sys.stderr)
     return 2
-
-
-def run_benchmark(name: str, argv: Sequence[str]) -> int:
-    """Import ``pd_connector.dev.benchmarks.<name>`` only now (torch, vLLM, NIXL) and run its
-    ``main(argv)``."""
-    module_name = f"pd_connector.dev.benchmarks.{name}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (module_name, "pd_connector.dev.benchmarks"):
-            raise  # a dependency of the benchmark is missing: its own message says which
-        print(f"pd-connector bench: {module_name} is not installed with this pd_connector",
-              file=sys.stderr)
-        return 2
-    # The benchmark's argparse names itself after sys.argv[0]: make its usage line read as the
-    # command the user typed.
-    saved = sys.argv[0]
-    sys.argv[0] = f"pd-connector bench {name}"
-    try:
-        result = module.main(list(argv))
-    finally:
-        sys.argv[0] = saved
-    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

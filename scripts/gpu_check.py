@@ -4,15 +4,15 @@ run that writes everything to one folder.
 Steps, each a subprocess with its own time limit (a crash in NIXL or CUDA ends one step, not the
 run), all on one device (``--device``; auto: cuda where torch sees one):
   tests     pytest over tests/nixl with the buffers in VRAM or DRAM (``PD_TEST_DEVICE``,
-            ``dev/rig/devices.py``), counted in two parts: transfers (real agents, Senders
+            ``rig/devices.py``), counted in two parts: transfers (real agents, Senders
             and Receivers over real side channels, unequal TP included) and digest (the
             recurrent-state digest over real READs, test_state_digest.py); tests that cannot
             apply on the device are skipped and say why
-  bench     ``pd-connector bench transfer`` (--quick's sections but the DRAM-only ones): the
+  bench     ``python -m benchmarks transfer`` (--quick's sections but the DRAM-only ones): the
             connector vs raw NIXL on the same bytes vs a torch copy between the same two buffers
             (on CUDA a device-to-device copy: the ceiling), descriptors per request, the longest
             call into NIXL on D's engine thread (stall)
-  bench_tp  ``pd-connector bench transfer_tp``: per D rank of unequal TP pairs, the connector vs raw NIXL
+  bench_tp  ``python -m benchmarks transfer_tp``: per D rank of unequal TP pairs, the connector vs raw NIXL
 
 It lives in scripts/ (not in the package) because it runs tests/nixl from the checkout.
 
@@ -41,7 +41,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVICE_ENV = "PD_TEST_DEVICE"  # read by pd_connector/dev/rig/devices.py
+DEVICE_ENV = "PD_TEST_DEVICE"  # read by rig/devices.py
 DIGEST_TESTS = "tests/nixl/test_state_digest.py"
 SMOKE_TESTS = [
     "tests/nixl/test_transport.py::test_read_moves_exactly_the_paired_pages[layer_major_dense-scattered]",
@@ -163,7 +163,7 @@ def pytest_cmd(targets: list[str], junit: Path) -> list[str]:
 
 
 def bench_cmd(device: str, smoke: bool, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "pd_connector.cli", "bench", "transfer", "--device", device, "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks", "transfer", "--device", device, "--out", str(out)]
     if smoke:
         small = {"cpu": "32", "cuda": "16"}[device]
         return cmd + ["--models", "llama-8b", "--tokens", "1024", "--blocks", small, "--sections", "main",
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     figures = bench_figures(out / "bench_transfer.json")
     if not args.smoke:
         # One layout keeps the step inside its limit; the others differ in segments, not path.
-        tp = [sys.executable, "-m", "pd_connector.cli", "bench", "transfer_tp",
+        tp = [sys.executable, "-m", "benchmarks", "transfer_tp",
               "--kinds", "mamba2", "--attention", "gqa", "--reps", "3", "--out", str(out)]
         steps.append(run_step("bench_tp", tp, out, limits["bench_tp"], env))
     tests = {k: sum(c[k] for c in counts.values()) for k in ("passed", "failed", "errors", "skipped", "xfailed")}

@@ -12,9 +12,9 @@ any mismatch.
                  D's requirement to P and the handoff is honoured).
 
 Built on ``pd_connector.dev.demo`` (``run_prompts``, ``print_table``) and
-``pd_connector.dev.rig.stack`` (baseline + P + D + proxy), with the CPU model matrix of
-``pd_connector.dev.rig.cpu_matrix``. It starts vLLM servers: on a shared box run it under
-``flock /tmp/pd-e2e.lock``. Not a benchmark (those are ``pd-connector bench``).
+``rig.stack`` (baseline + P + D + proxy), with the CPU model matrix of
+``rig.cpu_matrix``. It starts vLLM servers: on a shared box run it under
+``flock /tmp/pd-e2e.lock``. Not a benchmark (those are ``python -m benchmarks``).
 
 Examples:
   .venv/bin/python scripts/integration.py
@@ -29,13 +29,16 @@ import json
 import sys
 from pathlib import Path
 
-from pd_connector.dev.demo import DEFAULT_ROOT, print_table, run_prompts
-from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
-from pd_connector.dev.rig.stack import PDStack, StackConfig
+# The rig (rig/) is imported from the checkout this script runs from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rig.cpu_matrix import ATTENTION_BLOCK, CPU_MODELS, boundary_lengths, random_prompt
+from rig.handoff_table import WORK_DIR, print_table, run_prompts
+from rig.stack import PDStack, StackConfig
 
 
 def cpu_runs(args):
-    from pd_connector.dev.rig.tiny_models import build_model
+    from rig.tiny_models import build_model
 
     for kind in args.models or sorted(CPU_MODELS):
         config = StackConfig(
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--models", nargs="*", help="cpu: tiny model kinds; cuda: hub model ids")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--work-dir", default=str(DEFAULT_ROOT))
+    parser.add_argument("--work-dir", default=str(WORK_DIR))
     parser.add_argument("--block-size", type=int, default=128, help="cuda: attention block size")
     parser.add_argument("--dtype", default="bfloat16", help="cuda: model dtype")
     parser.add_argument("--max-model-len", type=int, default=4096, help="cuda")

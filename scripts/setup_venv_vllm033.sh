@@ -33,7 +33,7 @@ PYEOF
 # vLLM imports xgrammar on the scheduler path; xgrammar declares triton (1 GB, no CPU backend).
 "${PIP[@]}" install -q --no-deps --no-warn-conflicts -c "$VENV/vllm-constraints.txt" xgrammar apache-tvm-ffi
 check=$(VLLM_TARGET_DEVICE=cpu "$PY" -c "
-import vllm.v1.core.sched.scheduler, pd_connector.connector, pd_connector.dev.rig.scheduler_harness
+import vllm.v1.core.sched.scheduler, pd_connector.connector, rig.scheduler_harness
 from importlib.metadata import version
 assert version('vllm') == '0.33.0', version('vllm')" 2>&1) || {
   echo "$check" | tail -5 >&2

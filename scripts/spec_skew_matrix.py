@@ -11,7 +11,7 @@ or failed with an HTTP error, and writes the table to ``.artifacts/bench/skew_<c
 after every cell (a partial run still leaves its record).
 A correctness record, not a benchmark and not a test: tests/e2e/test_speculative.py asserts the
 PDConnector matrix; the NixlConnector record (docs/bench/skew_NixlConnector.json) is discussed
-in docs/benchmarks.md. Instances, cells and the bf16 oracle: ``pd_connector.dev.rig.spec_matrix``.
+in docs/benchmarks.md. Instances, cells and the bf16 oracle: ``rig.spec_matrix``.
 It starts vLLM servers: on a shared box run it under ``flock /tmp/pd-e2e.lock``.
 
 vLLM's NixlConnector cannot hand a request to its own instance (``register_remote_engine``:
@@ -29,10 +29,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import CompletionError
-from pd_connector.dev.rig.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances, running
-from pd_connector.dev.rig.tiny_models import build_model
+# The rig (rig/) is imported from the checkout this script runs from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rig.cpu_matrix import random_prompt
+from rig.oracle import CompletionError
+from rig.spec_matrix import SETUPS, InstanceSpec, check_bf16, handoff, make_instances, running
+from rig.tiny_models import build_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Wall time per test module, printed at the end of every run (CI's breakdown, docs/testing.md);
-and tests/ on sys.path for tests/support.
+and tests/ on sys.path for rig/.
 
 A module's time is the sum of its tests' setup, call and teardown phases, so a session or module
 fixture (a server stack) counts for the module whose test started it, and a fixture torn down in
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-# Test-only tooling (tests/support) is imported as ``support``, whatever pytest's import mode.
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
+# The rig (rig/) and the benchmarks are imported from the checkout, whatever pytest's import mode.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 _module_seconds: dict[str, float] = defaultdict(float)
 _module_tests: dict[str, int] = defaultdict(int)

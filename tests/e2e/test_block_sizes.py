@@ -3,7 +3,7 @@ servers, float32, both directions: P's blocks smaller than D's and larger (equal
 caching: test_block_sizes_prefix_cache.py).
 
 The tiny Nemotron-H (Mamba2 + attention) at TP 1 with ``--block-size 32`` and at TP 2 with
-``--block-size 64`` (tests/support/block_size_pairs.py), so the cells are P1 (32) -> D2 (64) and
+``--block-size 64`` (rig/block_size_pairs.py), so the cells are P1 (32) -> D2 (64) and
 P2 (64) -> D1 (32), each D rank reading its heads and channels from the P rank(s) holding them,
 sub-block by sub-block. Per direction and prompt
 length (on, around and across both block sizes): P's offset is N - 1, D's own
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, random_prompt
-from pd_connector.dev.rig.spec_matrix import caught_desyncs
-from pd_connector.dev.rig.tiny_models import build_model
-from support.block_size_pairs import DIRECTIONS, block_size_pair, counted_handoff, p_and_d
+from rig.cpu_matrix import CPU_MODELS, random_prompt
+from rig.spec_matrix import caught_desyncs
+from rig.tiny_models import build_model
+from rig.block_size_pairs import DIRECTIONS, block_size_pair, counted_handoff, p_and_d
 
 pytestmark = pytest.mark.e2e
 

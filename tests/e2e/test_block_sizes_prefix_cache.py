@@ -4,7 +4,7 @@ test_block_sizes.py).
 
 The tiny Qwen3-Next (GDN, bf16: the only hybrid whose CPU kernels run prefix caching,
 docs/testing.md) gets 640-token attention blocks (its Mamba page needs them) and 1280 with
-``--block-size 1280`` on the other instance (tests/support/block_size_pairs.py). Per direction
+``--block-size 1280`` on the other instance (rig/block_size_pairs.py). Per direction
 and prompt length: P's offset is N - 1 or P's prompt checkpoint (docs/architecture.md, "The
 replay offset"), D's ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R computed, the output matches D's aggregated serving (the bf16 rule,
 ``spec_matrix.check_bf16``, in its own ``cache_salt`` namespace), and a second turn served by D
@@ -20,12 +20,12 @@ import time
 import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import complete
-from pd_connector.dev.rig.spec_matrix import caught_desyncs
-from pd_connector.dev.rig.spec_matrix import check_bf16 as check
-from pd_connector.dev.rig.tiny_models import build_model
-from support.block_size_pairs import DIRECTIONS, block_size_pair, counted_handoff, p_and_d
+from rig.cpu_matrix import random_prompt
+from rig.oracle import complete
+from rig.spec_matrix import caught_desyncs
+from rig.spec_matrix import check_bf16 as check
+from rig.tiny_models import build_model
+from rig.block_size_pairs import DIRECTIONS, block_size_pair, counted_handoff, p_and_d
 
 pytestmark = pytest.mark.e2e
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
+from rig.cpu_matrix import random_prompt
 from pd_connector.urls import OPENER
-from support.dashboard import exported_samples, load, missing
+from rig.dashboard import exported_samples, load, missing
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 source, and any D engine reads from any of them.
 
 Two ``kv_both`` instances per model behind one API server each (vLLM's internal load balancer,
-``tests/support/dp_matrix.py``): "dp2" with ``--data-parallel-size 2`` and "dp1" with one engine.
+``rig/dp_matrix.py``): "dp2" with ``--data-parallel-size 2`` and "dp1" with one engine.
 llama's dp1 runs at TP 2, so P DP 2 x TP 1 -> D DP 1 x TP 2 is the unequal-TP DP x TP cell;
 nemotron_h is the Mamba2 hybrid. (vLLM CPU 0.32 runs no MoE model at DP 2, docs/testing.md: the
 lockstep and expert-parallel cases are covered in process, tests/vllm/test_scheduler_data_parallel.py.)
@@ -23,11 +23,11 @@ import warnings
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import DP_MODELS, random_prompt
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import DP_MODELS, random_prompt
+from rig.tiny_models import build_model
 from pd_connector.engine.faults import RESUME_SHIFT
-from support.dp_matrix import engines, make_instances, running, warm_up
-from support.router import VllmRouter, router_binary
+from rig.dp_matrix import engines, make_instances, running, warm_up
+from rig.router import VllmRouter, router_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 def complete_concurrently(url: str, prompts: list) -> list:
     """Every prompt sent at once to a router in front of the instances; each one's Completion
     (None where it failed: the caller's comparison names it)."""
-    from pd_connector.dev.rig.oracle import complete
+    from rig.oracle import complete
 
     results: list = [None] * len(prompts)
 
@@ -89,7 +89,7 @@ def starved_loads(d, before: list[dict[str, float]]) -> int:
 
 def partial_characters(proxy_url: str) -> float:
     """The proxy's count of first tokens that are part of a character (the replay flow)."""
-    from pd_connector.dev.rig.prometheus import parse_metric
+    from rig.prometheus import parse_metric
     from pd_connector.urls import OPENER
 
     with OPENER.open(proxy_url + "/metrics", timeout=10) as resp:
@@ -217,7 +217,7 @@ def test_the_proxy_in_front_of_dp_instances_matches_aggregated(dp, tmp_path):
     """``pd-connector proxy`` with a DP-2 P and a DP-2 D: vLLM's load balancers pick the ranks,
     P's params name the one that prefilled, and a concurrent batch matches aggregated serving
     with D's engines loading every handoff."""
-    from pd_connector.dev.rig.proxy_process import ProxyProcess
+    from rig.proxy_process import ProxyProcess
 
     kind, inst = dp
     p = d = inst["dp2"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import boundary_lengths, random_prompt
-from pd_connector.dev.rig.spec_matrix import (
+from rig.cpu_matrix import boundary_lengths, random_prompt
+from rig.spec_matrix import (
     HONOURED,
     SPEC_EXTRA_CONFIG,
     InstanceSpec,
@@ -30,7 +30,7 @@ from pd_connector.dev.rig.spec_matrix import (
     make_instances,
     running,
 )
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import E2E_SECRET, random_prompt
-from pd_connector.dev.rig.oracle import compare
+from rig.cpu_matrix import E2E_SECRET, random_prompt
+from rig.oracle import compare
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ MLA) do not run on vLLM CPU; their layouts are tested in process (tests/vllm/
 test_state_shard_layout.py, tests/nixl/test_tp_transfer.py) and the exact errors are in
 docs/testing.md ("Hybrid families").
 
-Per family two float32 ``kv_both`` instances (tests/support/tp_matrix.py), ``tp1`` and ``tp2``,
+Per family two float32 ``kv_both`` instances (rig/tp_matrix.py), ``tp1`` and ``tp2``,
 each P, D and the aggregated reference at its TP size: the cells P1 -> D1 (``tp1`` handing a
 request to itself, NIXL loopback: the same side channel, claim, READ and pairing as two
 instances), P1 -> D2 and P2 -> D1. Prefix caching is off, so a reference never reads KV a
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import REQUESTED_BLOCK, random_prompt
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import REQUESTED_BLOCK, random_prompt
+from rig.tiny_models import build_model
 from pd_connector.engine.faults import RESUME_SHIFT
-from support.tp_matrix import make_instances, running, warm_up
+from rig.tp_matrix import make_instances, running, warm_up
 
 pytestmark = pytest.mark.e2e
 

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_connector.core.fingerprint import fingerprint
-from pd_connector.dev.rig.cpu_matrix import E2E_SECRET, random_prompt
-from pd_connector.dev.rig.oracle import compare, parse_completion
-from pd_connector.dev.rig.ports import free_port
-from support.kv_cache import kv_cache_empty_within
+from rig.cpu_matrix import E2E_SECRET, random_prompt
+from rig.oracle import compare, parse_completion
+from rig.ports import free_port
+from rig.kv_cache import kv_cache_empty_within
 
 pytestmark = pytest.mark.e2e
 

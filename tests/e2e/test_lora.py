@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, random_prompt
-from pd_connector.dev.rig.oracle import compare, complete
-from pd_connector.dev.rig.stack import PDStack, StackConfig
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import CPU_MODELS, random_prompt
+from rig.oracle import compare, complete
+from rig.stack import PDStack, StackConfig
+from rig.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

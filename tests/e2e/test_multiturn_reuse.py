@@ -38,15 +38,15 @@ import pytest
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 
 from pd_connector.core.params import KEY_CHECKPOINTS, KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import complete
-from pd_connector.dev.rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
-from pd_connector.dev.rig.spec_matrix import check_bf16 as check
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import random_prompt
+from rig.oracle import complete
+from rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
+from rig.spec_matrix import check_bf16 as check
+from rig.tiny_models import build_model
 from pd_connector.engine import faults
-from pd_connector.dev.rig.ports import free_port
-from support.kv_events import HASH_ENV, KvEvents, by_group, kv_events_args
-from support.router import VllmRouter, router_binary
+from rig.ports import free_port
+from rig.kv_events import HASH_ENV, KvEvents, by_group, kv_events_args
+from rig.router import VllmRouter, router_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,7 @@ def pair(models_root, artifacts, events_ports):
         max_model_len=2048,
         server_args=("--enable-prefix-caching", *kv_events_args(events_ports[0])),
         extra_config=SPEC_EXTRA_CONFIG,
-        env=HASH_ENV,  # block hashes agree across the two instances (support/kv_events.py)
+        env=HASH_ENV,  # block hashes agree across the two instances (rig/kv_events.py)
     )
     # A as P truncates its prefill to N - 1 (a bound of 0 on D's extra tokens): the path the
     # tests above the last pin, checkpoints below R included. B keeps the default (P prefills

@@ -23,10 +23,10 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, random_prompt
-from pd_connector.dev.rig.oracle import compare
-from pd_connector.dev.rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import CPU_MODELS, random_prompt
+from rig.oracle import compare
+from rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
+from rig.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

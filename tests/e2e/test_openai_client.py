@@ -17,12 +17,12 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import compare, parse_completion
-from pd_connector.dev.rig.ports import free_port
-from pd_connector.dev.rig.proxy_process import ProxyProcess
-from support.kv_cache import kv_cache_empty_within
-from support.openai_client import (
+from rig.cpu_matrix import random_prompt
+from rig.oracle import compare, parse_completion
+from rig.ports import free_port
+from rig.proxy_process import ProxyProcess
+from rig.kv_cache import kv_cache_empty_within
+from rig.openai_client import (
     chat_choices,
     chat_mismatch,
     completion_choices,

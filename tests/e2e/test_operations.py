@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import complete, compare
-from pd_connector.dev.rig.ports import free_port
+from rig.cpu_matrix import random_prompt
+from rig.oracle import complete, compare
+from rig.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

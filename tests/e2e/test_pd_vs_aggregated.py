@@ -11,9 +11,9 @@ import pytest
 
 from pd_connector.core.fingerprint import fingerprint
 from pd_connector.core.protocol import PROTOCOL_VERSION
-from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, E2E_SECRET, HYBRIDS, boundary_lengths, random_prompt
+from rig.cpu_matrix import ATTENTION_BLOCK, E2E_SECRET, HYBRIDS, boundary_lengths, random_prompt
 from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
-from pd_connector.dev.rig.oracle import compare
+from rig.oracle import compare
 
 pytestmark = pytest.mark.e2e
 
@@ -141,7 +141,7 @@ def test_params_of_another_prompt_are_refused_as_prompt_mismatch(stack):
 
 
 def _dead_port():
-    from pd_connector.dev.rig.ports import free_port
+    from rig.ports import free_port
 
     return free_port()
 

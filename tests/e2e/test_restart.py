@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import compare
+from rig.cpu_matrix import random_prompt
+from rig.oracle import compare
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import boundary_lengths, random_prompt
-from pd_connector.dev.rig.spec_matrix import (
+from rig.cpu_matrix import boundary_lengths, random_prompt
+from rig.spec_matrix import (
     HONOURED,
     LAYOUT_EVENTS,
     MATRIX_SETUPS,

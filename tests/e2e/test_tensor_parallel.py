@@ -1,6 +1,6 @@
 """P x D over TP {1, 2} x {1, 2} on vLLM CPU, for every layer kind the connector shards.
 
-One TP-1 and one TP-2 ``kv_both`` instance per model (``tests/support/tp_matrix.py``): each cell
+One TP-1 and one TP-2 ``kv_both`` instance per model (``rig/tp_matrix.py``): each cell
 is a handoff from one to the other or to itself, checked against the D instance serving the
 prompt itself (aggregated, at D's TP), with D's own accounting
 (``vllm:prompt_tokens_by_source``) showing that R tokens came from P and N - R were computed.
@@ -18,12 +18,12 @@ import warnings
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import TP_MODELS, boundary_lengths, random_prompt
-from pd_connector.dev.rig.oracle import compare
-from pd_connector.dev.rig.spec_matrix import BF16_LOGPROB_TOL, BF16_TIE_MARGIN
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import TP_MODELS, boundary_lengths, random_prompt
+from rig.oracle import compare
+from rig.spec_matrix import BF16_LOGPROB_TOL, BF16_TIE_MARGIN
+from rig.tiny_models import build_model
 from pd_connector.engine.faults import RESUME_SHIFT
-from support.tp_matrix import make_instances, running, warm_up
+from rig.tp_matrix import make_instances, running, warm_up
 
 pytestmark = pytest.mark.e2e
 

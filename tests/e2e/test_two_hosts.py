@@ -1,5 +1,5 @@
 """P and D on two "hosts": network namespaces of their own, joined by a veth link through a
-bridge (``dev/rig/netns.py``), each with its own hostname and boot id, so that UCX finds no
+bridge (``rig/netns.py``), each with its own hostname and boot id, so that UCX finds no
 shared memory between them and has to pick tcp. P's side channel binds P's link address; the
 aggregated baseline runs on this machine's loopback. One P/D pair serves every test of the
 module; the last one kills P.
@@ -17,14 +17,14 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig import ucx_logs
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, random_prompt
-from pd_connector.dev.rig.netns import TwoHosts, unavailable_reason
-from pd_connector.dev.rig.oracle import compare
-from pd_connector.dev.rig.process_groups import signal_group
-from pd_connector.dev.rig.prometheus import read_metric_labels
-from pd_connector.dev.rig.stack import PDStack, StackConfig
-from pd_connector.dev.rig.tiny_models import build_model
+from rig import ucx_logs
+from rig.cpu_matrix import CPU_MODELS, random_prompt
+from rig.netns import TwoHosts, unavailable_reason
+from rig.oracle import compare
+from rig.process_groups import signal_group
+from rig.prometheus import read_metric_labels
+from rig.stack import PDStack, StackConfig
+from rig.tiny_models import build_model
 
 pytestmark = pytest.mark.e2e
 

@@ -23,21 +23,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_connector.dev.rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, random_prompt
-from pd_connector.dev.rig.oracle import compare, complete, parse_completion
-from pd_connector.dev.rig.placement import cpu_binds
-from pd_connector.dev.rig.ports import free_port
-from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
-from pd_connector.dev.rig.stack import kv_transfer_config
-from pd_connector.dev.rig.tiny_models import build_model
-from support.openai_client import (
+from rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, random_prompt
+from rig.oracle import compare, complete, parse_completion
+from rig.placement import cpu_binds
+from rig.ports import free_port
+from rig.servers import VllmServer, source_checkout_env, start_many
+from rig.stack import kv_transfer_config
+from rig.tiny_models import build_model
+from rig.openai_client import (
     chat_choices,
     completion_choices,
     openai_client,
     streamed_chat_choices,
     streamed_completion_choices,
 )
-from support.router import VllmRouter, router_binary
+from rig.router import VllmRouter, router_binary
 
 pytestmark = [
     pytest.mark.e2e,

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from pd_connector.core.handoff import min_recompute_tokens
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import complete
-from pd_connector.dev.rig.placement import cpu_binds
-from pd_connector.dev.rig.ports import free_port
-from pd_connector.dev.rig.servers import VllmServer, source_checkout_env, start_many
-from pd_connector.dev.rig.spec_matrix import (
+from rig.cpu_matrix import random_prompt
+from rig.oracle import complete
+from rig.placement import cpu_binds
+from rig.ports import free_port
+from rig.servers import VllmServer, source_checkout_env, start_many
+from rig.spec_matrix import (
     HONOURED,
     REFUSED_OFFSET,
     SETUPS,
@@ -27,9 +27,9 @@ from pd_connector.dev.rig.spec_matrix import (
     check_bf16,
     expected_outcome,
 )
-from pd_connector.dev.rig.stack import kv_transfer_config
-from pd_connector.dev.rig.tiny_models import build_model
-from support.router import VllmRouter, router_binary
+from rig.stack import kv_transfer_config
+from rig.tiny_models import build_model
+from rig.router import VllmRouter, router_binary
 
 pytestmark = [
     pytest.mark.e2e,

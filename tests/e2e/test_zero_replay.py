@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
-from pd_connector.dev.rig.cpu_matrix import ATTENTION_BLOCK, random_prompt
-from pd_connector.dev.rig.oracle import Completion, compare
-from pd_connector.dev.rig.prometheus import parse_metric
+from rig.cpu_matrix import ATTENTION_BLOCK, random_prompt
+from rig.oracle import Completion, compare
+from rig.prometheus import parse_metric
 from pd_connector.engine import faults
 
 pytestmark = pytest.mark.e2e

@@ -20,10 +20,10 @@ import pytest
 
 from pd_connector.core.handoff import min_recompute_tokens
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.oracle import complete
-from pd_connector.dev.rig.proxy_process import ProxyProcess
-from pd_connector.dev.rig.spec_matrix import check_bf16 as check
+from rig.cpu_matrix import random_prompt
+from rig.oracle import complete
+from rig.proxy_process import ProxyProcess
+from rig.spec_matrix import check_bf16 as check
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ Tests marked ``nixl`` (all of ``test_transport.py``) are skipped, with the impor
 reason, when the ``nixl`` package cannot be imported. The side-channel tests only need pyzmq
 and msgspec and run either way.
 
-Buffers live on ``PD_TEST_DEVICE`` (cpu, the default, or cuda: ``pd_connector/dev/rig/devices.py``);
+Buffers live on ``PD_TEST_DEVICE`` (cpu, the default, or cuda: ``rig/devices.py``);
 asking for cuda where torch sees none is a usage error, not a skip.
 """
 
@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from pd_connector.dev.rig import devices
-from pd_connector.dev.rig.ports import free_port as free_port_below_ephemeral
+from rig import devices
+from rig.ports import free_port as free_port_below_ephemeral
 
 # Same default pd_connector.transport.nixl applies before it imports nixl (vLLM does it too).
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.nixl
 
 
 def test_bench_transfer_main_section_runs_and_reports_the_kernel_ceiling(tmp_path, capsys):
-    from pd_connector.dev.benchmarks import transfer
+    from benchmarks import transfer
 
     argv = ["--models", "llama-8b", "--tokens", "1024", "--blocks", "32", "--sections", "main", "--reps", "1",
             "--warmup", "0", "--budget-mib", "8", "--num-threads", "2", "--out", str(tmp_path)]
@@ -31,7 +31,7 @@ def test_bench_transfer_main_section_runs_and_reports_the_kernel_ceiling(tmp_pat
 
 
 def test_bench_transfer_stall_section_measures_the_engine_thread_without_and_with_worker_threads(tmp_path):
-    from pd_connector.dev.benchmarks import transfer
+    from benchmarks import transfer
 
     argv = ["--quick", "--sections", "stall", "--reps", "1", "--warmup", "0", "--budget-mib", "8", "--out", str(tmp_path)]
     assert transfer.main(argv) == 0
@@ -44,7 +44,7 @@ def test_bench_transfer_stall_section_measures_the_engine_thread_without_and_wit
 
 
 def test_bench_transfer_notes_a_block_size_vllm_cpu_refuses(tmp_path, capsys):
-    from pd_connector.dev.benchmarks import transfer
+    from benchmarks import transfer
 
     argv = ["--models", "nemotron-h", "--tokens", "1024", "--blocks", "16", "--sections", "main", "--reps", "1",
             "--warmup", "0", "--budget-mib", "8", "--out", str(tmp_path)]
@@ -56,7 +56,7 @@ def test_bench_transfer_notes_a_block_size_vllm_cpu_refuses(tmp_path, capsys):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel path is Linux-only")
 def test_bench_transfer_per_descriptor_section_reports_nixl_and_the_kernel_on_the_same_ranges(tmp_path):
-    from pd_connector.dev.benchmarks import transfer
+    from benchmarks import transfer
 
     assert transfer.main(["--sections", "perdesc", "--reps", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_transfer.json").read_text())["per_descriptor"]
@@ -67,7 +67,7 @@ def test_bench_transfer_per_descriptor_section_reports_nixl_and_the_kernel_on_th
 
 
 def test_bench_transfer_tp_reports_each_d_rank_against_raw_nixl(tmp_path, capsys):
-    from pd_connector.dev.benchmarks import transfer_tp
+    from benchmarks import transfer_tp
 
     small = ["--blocks", "8", "--reps", "1", "--scale", "1", "--head-bytes", "512", "--out", str(tmp_path)]
     argv = ["--pairs", "1x2,2x1", "--kinds", "mamba2", "--attention", "gqa", *small]
@@ -80,8 +80,8 @@ def test_bench_transfer_tp_reports_each_d_rank_against_raw_nixl(tmp_path, capsys
 
 
 def test_bench_transfer_tp_runs_every_layout_vllm_shards(tmp_path):
-    from pd_connector.dev.benchmarks import transfer_tp
-    from pd_connector.dev.rig.tp_layouts import KINDS
+    from benchmarks import transfer_tp
+    from rig.tp_layouts import KINDS
 
     argv = ["--pairs", "2x1", "--blocks", "4", "--reps", "1", "--scale", "1", "--head-bytes", "512", "--out", str(tmp_path)]
     assert transfer_tp.main(argv) == 0
@@ -95,7 +95,7 @@ def test_bench_transfer_tp_runs_every_layout_vllm_shards(tmp_path):
 
 
 def test_bench_transfer_blocks_moves_the_same_bytes_at_every_block_ratio(tmp_path, capsys):
-    from pd_connector.dev.benchmarks import transfer_blocks
+    from benchmarks import transfer_blocks
 
     argv = ["--ratios", "1,2,1/2", "--tokens", "256", "--block", "16", "--kv-heads", "2", "--head-dim", "8",
             "--reps", "1", "--out", str(tmp_path)]  # fmt: skip

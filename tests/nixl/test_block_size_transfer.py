@@ -17,7 +17,7 @@ import pytest
 
 from pd_connector.core import block_phases, pairing, shards
 from pd_connector.core.pairing import ATTENTION, SLIDING_WINDOW, GroupLayout
-from pd_connector.dev.rig.attention_pages import LAYERS, AttentionRank
+from rig.attention_pages import LAYERS, AttentionRank
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
 
 pytestmark = pytest.mark.nixl

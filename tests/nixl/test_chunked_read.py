@@ -32,7 +32,7 @@ from pd_connector.core.protocol import (
 )
 from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.transport.nixl import DONE, FAILED, PENDING, ChunkedRead
-from pd_connector.dev.rig import devices
+from rig import devices
 
 from test_transport import (
     ATTN,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd_connector.dev.rig import devices
+from rig import devices
 
 pytestmark = pytest.mark.nixl
 

@@ -25,7 +25,7 @@ from pd_connector.engine.metadata import ExtendTask, RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.engine.prefill.sender import Sender
 from pd_connector.transport.nixl import PENDING
-from pd_connector.dev.rig import devices
+from rig import devices
 
 from test_chunked_read import COMPAT, load_one
 from test_transport import MAMBA_LAYERS, ATTN_LAYERS, TIMEOUT_S, expected_after, make_engine

@@ -17,7 +17,7 @@ import pytest
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
-from pd_connector.dev.rig import devices
+from rig import devices
 from pd_connector.engine import faults
 from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import RecvTask, SendLease

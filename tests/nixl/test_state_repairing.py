@@ -17,7 +17,7 @@ import torch
 
 from pd_connector.transport.nixl import DONE
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
-from pd_connector.dev.rig import devices
+from rig import devices
 
 CONV_KERNEL, CONV_DIM = 4, 96
 SSM_SHAPE = (2, 16, 8)

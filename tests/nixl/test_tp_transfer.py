@@ -22,10 +22,10 @@ from pd_connector.core import ranks, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
-from pd_connector.dev.rig.ports import free_ports
+from rig.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.dev.rig.tp_layouts import KDA, MAMBA1, SHORT_CONV, Model, compat
+from rig.tp_layouts import KDA, MAMBA1, SHORT_CONV, Model, compat
 from pd_connector.engine.prefill.sender import Sender
 
 pytestmark = pytest.mark.nixl
@@ -158,11 +158,11 @@ def test_mamba1_short_conv_and_kda_states_land_on_their_d_rank_over_nixl(model, 
 def test_padded_page_p_tp1_d_tp2_reads_each_d_rank_its_own_heads_over_nixl(p, d):
     """Regression (issue #25, 1): with a padded attention page (vLLM's page_size_padded) a head
     was taken as page_size_bytes // heads, so D rank 1 silently received half of head 1 and P's
-    padding. The pages here are vLLM's own (spec, placement, views: tests/support/vllm_pages.py)
+    padding. The pages here are vLLM's own (spec, placement, views: rig/vllm_pages.py)
     and the oracle reads them through vLLM's view: each D rank must hold its heads byte for byte
     and its padding untouched."""
     pytest.importorskip("vllm.v1.kv_cache_interface")
-    from support.vllm_pages import Layers, plain_attention
+    from rig.vllm_pages import Layers, plain_attention
 
     model = Layers(4, plain_attention(pad_per_head=32), nixl=True)
     freed = run_handoff(model, p, d, free_ports(p), {"r1": {0: REQUESTS["r1"][0]}, "r2": {0: REQUESTS["r2"][0]}})
@@ -178,7 +178,7 @@ def test_mla_latent_across_tp_is_read_from_one_p_rank_and_every_other_p_rank_rel
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from support.vllm_pages import Layers
+    from rig.vllm_pages import Layers
 
     def mla(tp, heads):  # as MLAAttention.get_kv_cache_spec builds it
         return MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=24, dtype=torch.bfloat16, max_tp_shards=1)
@@ -193,7 +193,7 @@ def test_head_slots_that_are_not_heads_refuse_the_pair_at_the_handshake_naming_l
     pytest.importorskip("vllm.v1.kv_cache_interface")
     import dataclasses
 
-    from support.vllm_pages import LAYERS, Layers, plain_attention
+    from rig.vllm_pages import LAYERS, Layers, plain_attention
 
     plain = plain_attention()
 

@@ -1,5 +1,5 @@
 """NixlTransport with two (or three) real NIXL agents in one process, UCX over DRAM
-(VRAM with ``PD_TEST_DEVICE=cuda``: ``dev/rig/devices.py``).
+(VRAM with ``PD_TEST_DEVICE=cuda``: ``rig/devices.py``).
 
 The KV caches are CPU uint8 tensors placed the way vLLM's hybrid allocator places them
 (``KVCacheTensor``: layer ``layers[l]``'s page for block b at
@@ -28,7 +28,7 @@ from pd_connector.core.layout import LayoutError
 from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
 from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
-from pd_connector.dev.rig import devices
+from rig import devices
 
 pytestmark = pytest.mark.nixl
 

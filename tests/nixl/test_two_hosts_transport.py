@@ -1,4 +1,4 @@
-"""NIXL between two processes on two namespaced "hosts" (``dev/rig/netns.py``): UCX picks
+"""NIXL between two processes on two namespaced "hosts" (``rig/netns.py``): UCX picks
 tcp by itself, and the transfer benchmark's ``tcp`` section runs and checks its bytes. The
 negative control shows why each host gets a boot id of its own: on the machine's own boot id
 UCX takes the two namespaces for one machine and reads over cma, and the same check fails."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_connector.dev.rig import devices
-from pd_connector.dev.rig.netns import unavailable_reason
+from rig import devices
+from rig.netns import unavailable_reason
 
 pytestmark = [
     pytest.mark.nixl,
@@ -29,7 +29,7 @@ def _args(**kw):
 
 
 def test_bench_transfer_tcp_section_reads_over_tcp_between_two_hosts(tmp_path, capsys):
-    from pd_connector.dev.benchmarks import transfer
+    from benchmarks import transfer
 
     argv = ["--sections", "tcp", "--reps", "1", "--warmup", "0", "--budget-mib", "4", "--out", str(tmp_path)]
     assert transfer.main(argv) == 0
@@ -44,7 +44,7 @@ def test_bench_transfer_tcp_section_reads_over_tcp_between_two_hosts(tmp_path, c
 
 
 def test_on_one_boot_id_ucx_takes_the_namespaces_for_one_machine_and_reads_over_cma():
-    from pd_connector.dev.benchmarks import transfer_tcp
+    from benchmarks import transfer_tcp
 
     out = transfer_tcp.run(_args(), SMALL_CASE, own_boot_ids=False)
     assert all(r["verified"] for r in out["results"])

@@ -20,7 +20,7 @@ from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
-from pd_connector.dev.rig import devices
+from rig import devices
 
 from test_chunked_read import COMPAT, granting_side_channel, peered_pairs, read_done
 from test_transport import (

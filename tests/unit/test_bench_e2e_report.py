@@ -3,7 +3,7 @@ snapshots or per-request deltas, the systems' order, the client-side tables and 
 against aggregated serving, where "P done -> D's first token" goes, D's and P's prompt tokens by
 source per request, and P's prefill time."""
 
-from pd_connector.dev.benchmarks.e2e_report import (
+from benchmarks.e2e_report import (
     DEPLOYMENT,
     SYSTEMS,
     accounting_rows,
@@ -23,7 +23,7 @@ from pd_connector.dev.benchmarks.e2e_report import (
     token_rows,
     token_table,
 )
-from pd_connector.dev.benchmarks.e2e_servers import stream_timings
+from benchmarks.e2e_servers import stream_timings
 
 CLAIM, HELD = "decode:vllm:pd_claim_seconds", "prefill:vllm:pd_claim_held_seconds"
 
@@ -264,7 +264,7 @@ def reading(p_e2e=0.0, p_tokens=0.0, d_e2e=None, d_xfer=None, d_tokens=None, d_c
 
 
 def test_a_request_is_counted_once_p_and_d_and_the_transfer_hold_it():
-    from pd_connector.dev.benchmarks.e2e import request_counted
+    from benchmarks.e2e import request_counted
 
     before = reading(d_e2e=0, d_xfer=0, d_tokens=0)
     assert request_counted("pd", before, reading(1, 64, 1, 1, 64, 1), 64)
@@ -279,7 +279,7 @@ def test_a_request_is_counted_once_p_and_d_and_the_transfer_hold_it():
 
 
 def test_request_deltas_keep_every_series_and_both_servers_tokens():
-    from pd_connector.dev.benchmarks.e2e import request_deltas
+    from benchmarks.e2e import request_deltas
 
     out = request_deltas(reading(2, 100, 3, 3, 500, 7), reading(3, 164, 4, 4, 564, 8))
     assert out["metrics"]["decode:vllm:pd_transfer_seconds_count"] == 1

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 
 
 def test_cma_read_copies_exactly_the_ranges_across_several_calls():
-    from pd_connector.dev.benchmarks.transfer_paths import IOV_MAX, CmaRead
+    from benchmarks.transfer_paths import IOV_MAX, CmaRead
 
     page, n = 64, IOV_MAX + 7  # two calls
     src = np.arange(page * 2 * n, dtype=np.uint8) % 251
@@ -33,7 +33,7 @@ def test_cma_read_copies_exactly_the_ranges_across_several_calls():
 
 
 def test_cma_read_of_an_unmapped_range_raises_instead_of_timing_a_partial_copy():
-    from pd_connector.dev.benchmarks.transfer_paths import CmaRead
+    from benchmarks.transfer_paths import CmaRead
 
     dst = np.zeros(4096, dtype=np.uint8)
     read = CmaRead(np.array([dst.ctypes.data]), np.array([8]), np.array([4096]))  # remote address 8: unmapped

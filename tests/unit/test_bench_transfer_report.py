@@ -1,7 +1,7 @@
 """The transfer benchmark's summary (README table): connector / raw per length and the >= 0.9
 verdict at >= 4k tokens, from per-rep samples."""
 
-from pd_connector.dev.benchmarks.transfer_report import Result, summary_table
+from benchmarks.transfer_report import Result, summary_table
 
 
 def result(tokens: int, blocks: str, conn_s: float, raw_s: float = 1.0) -> Result:
@@ -72,7 +72,7 @@ def test_with_worker_threads_the_summary_shows_the_connector_against_one_descrip
 
 
 def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_and_two():
-    from pd_connector.dev.benchmarks.transfer import knob_settings
+    from benchmarks.transfer import knob_settings
     from pd_connector.core.config import ConnectorSettings
 
     default = ConnectorSettings().nixl_num_threads

@@ -16,7 +16,7 @@ from pd_connector.check import client as check_client
 
 from pd_connector import cli
 from pd_connector.proxy import server as proxy_mod
-from support.fake_upstreams import async_test, dead_url, serve
+from rig.fake_upstreams import async_test, dead_url, serve
 
 
 @pytest.fixture(autouse=True)

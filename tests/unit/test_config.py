@@ -538,7 +538,7 @@ def test_nixl_progress_delay_outside_0_to_1s_is_refused(value):
 
 
 def test_nixl_progress_delay_defaults_to_100us_over_dram_and_nixls_own_over_vram():
-    """NIXL 1.5.1's own 0 spins a core per connected agent (pd-connector bench nixl_progress);
+    """NIXL 1.5.1's own 0 spins a core per connected agent (python -m benchmarks nixl_progress);
     GPU hosts keep NIXL's and NixlConnector's behaviour unless asked."""
     assert parse({}).progress_delay_for("DRAM") == 100
     assert parse({}).progress_delay_for("VRAM") == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support.dashboard import (
+from rig.dashboard import (
     ENGINE_METRICS,
     VLLM_OWN,
     declared_engine_metrics,

@@ -29,7 +29,7 @@ from pd_connector.core.params import (
     HandoffParams,
 )
 from pd_connector.core.protocol import PROTOCOL_VERSION
-from support.handoff_strategies import profiles, prompt_lengths, skew_profiles
+from rig.handoff_strategies import profiles, prompt_lengths, skew_profiles
 
 # Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively
 # (plain loops, far cheaper) so the suite stays fast while covering >100k configurations.

@@ -24,7 +24,7 @@ from pd_connector.core.handoff import (
     plan_handoff,
     requested_min_recompute,
 )
-from support.handoff_strategies import profiles, prompt_lengths
+from rig.handoff_strategies import profiles, prompt_lengths
 
 # Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively
 # (plain loops, far cheaper) so the suite stays fast while covering >100k configurations.

@@ -1,11 +1,10 @@
 """The package's house rules (docs/architecture.md, "Packages"), checked on the source itself.
 
 - core is pure: importing all of it loads no vLLM, torch, NIXL, ZMQ, sockets or HTTP client;
-- the product never imports pd_connector.dev (tooling: demo, rig, benchmarks);
+- the wheel is the product: it holds what the connector, the proxy and check reach, and nothing
+  of the tooling beside it (rig/, benchmarks/, examples/, scripts/, tests/) nor a test framework
+  or plotting library;
 - the subpackages depend one way: core <- transport <- engine; proxy and check on core and urls;
-- test tooling stays out of the package: nothing in pd_connector or scripts/ imports tests/support,
-  and every module of the package is reached from an entry point that is not a test (so the
-  package holds no test-only harness);
 - unit tests import no vLLM, neither directly nor through a module that loads it on import.
 
 Imports are read with ``ast`` (every ``import`` statement, wherever it sits), so a lazy import
@@ -26,10 +25,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pd_connector"
 TESTS = ROOT / "tests"
-SUPPORT = TESTS / "support"
-SCRIPTS = ROOT / "scripts"
-# Top-level names test tooling is imported under (tests/conftest.py puts tests/ on sys.path).
-TEST_TOOLING = ("support", "tests")
+RIG = ROOT / "rig"
+# Top-level names of the tooling beside the package (run from a checkout, never installed).
+TOOLING = ("rig", "benchmarks", "examples", "scripts", "tests", "support")
+# Libraries only tooling uses: a product module importing one is test or benchmark code.
+TOOLING_LIBRARIES = ("pytest", "hypothesis", "matplotlib")
+# What runs the product: vLLM loads the connector, operators run the command (proxy, check).
+PRODUCT_ROOTS = ["pd_connector.connector", "pd_connector.cli", "pd_connector.proxy.server", "pd_connector.check.run"]
 # Top-level modules (not subpackages) that subpackages may import.
 SHARED_MODULES = {"urls"}
 # What each subpackage may import from pd_connector besides itself.
@@ -98,12 +100,11 @@ def layer_violations(sources: dict[str, str]) -> list[str]:
 
 
 def product_modules() -> list[Path]:
-    dev = PACKAGE / "dev"
-    return [p for p in modules() if dev not in p.parents and p != PACKAGE / "cli.py"]
+    return [p for p in modules() if p != PACKAGE / "cli.py"]
 
 
-def imports_dev(source: str, name: str) -> list[str]:
-    return sorted(t for t in imported(source, name) if t == "pd_connector.dev" or t.startswith("pd_connector.dev."))
+def imports_tooling(source: str, name: str) -> list[str]:
+    return sorted(t for t in imported(source, name) if t.split(".")[0] in TOOLING + TOOLING_LIBRARIES)
 
 
 # ---- (a) core is pure ---------------------------------------------------------------------------
@@ -142,29 +143,69 @@ def test_purity_check_sees_a_module_that_imports_zmq():
     assert "zmq" in forbidden_among(loaded_by_importing(["pd_connector.transport.side_channel"]))
 
 
-# ---- (b) the product does not import the dev tooling --------------------------------------------
+# ---- (b) the wheel is the product ---------------------------------------------------------------
 
 
-def test_the_product_never_imports_pd_connector_dev():
-    product = product_modules()
-    assert PACKAGE / "connector.py" in product and PACKAGE / "cli.py" not in product
-    assert not any(PACKAGE / "dev" in p.parents for p in product)
-    offenders = {module_name(p): imports_dev(p.read_text(), module_name(p)) for p in product}
+def test_the_package_imports_no_tooling_test_framework_or_plotting():
+    sources = {module_name(p): p.read_text() for p in modules()}
+    assert "pd_connector.connector" in sources and "pd_connector.cli" in sources
+    offenders = {name: imports_tooling(source, name) for name, source in sources.items()}
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
 @pytest.mark.parametrize("line", [
-    "import pd_connector.dev.rig.oracle",
-    "from pd_connector.dev import demo",
-    "from pd_connector.dev.benchmarks.report import write_json",
-    "def lazy():\n    from pd_connector.dev.rig import stack",
+    "import rig.oracle",
+    "from rig import stack",
+    "from benchmarks.report import write_json",
+    "import examples.demo",
+    "import pytest",
+    "from hypothesis import given",
+    "def lazy():\n    import matplotlib.pyplot as plt",
+    "def lazy():\n    from rig import fake_upstreams",
 ])
-def test_dev_import_check_sees_every_form_of_import(line):
-    assert imports_dev(line, "pd_connector.engine.worker")
+def test_tooling_check_sees_every_form_of_import(line):
+    assert imports_tooling(line, "pd_connector.engine.worker")
 
 
-def test_dev_import_check_ignores_lookalike_names():
-    assert imports_dev("import pd_connector.devices\nfrom pd_connector import urls", "pd_connector.check.run") == []
+def test_tooling_check_ignores_lookalike_names():
+    source = "import rigid\nfrom pd_connector import urls\nimport pytestlike\nfrom .rig import x"
+    assert imports_tooling(source, "pd_connector.check.run") == []
+
+
+def unreached(sources: dict[str, str], roots: list[str]) -> list[str]:
+    """Modules of the package (``pd_connector.*`` in ``sources``) that no import chain from
+    ``roots`` reaches; a package counts as reached with any module in it."""
+    seen: set[str] = set()
+    todo = [r for r in roots if r in sources]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in sources]
+        todo += [t for t in imported(sources[name], name) if t in sources]
+    return sorted(m for m in sources if m.startswith("pd_connector") and m not in seen)
+
+
+def test_the_wheel_holds_what_the_connector_proxy_and_check_reach():
+    """A module no product entry point reaches is tooling: it belongs in rig/ or benchmarks/."""
+    sources = {module_name(p): p.read_text() for p in modules()}
+    assert unreached(sources, PRODUCT_ROOTS) == []
+
+
+def test_reach_check_sees_a_harness_put_back_into_the_package():
+    """Negative control: rig/'s TP matrix moved into the package is reached by no entry point;
+    nor is the proxy once its only importer is gone."""
+    sources = {module_name(p): p.read_text() for p in modules()}
+    sources["pd_connector.tp_matrix"] = (RIG / "tp_matrix.py").read_text()
+    assert unreached(sources, PRODUCT_ROOTS) == ["pd_connector.tp_matrix"]
+    assert "pd_connector.proxy.flow" in unreached(sources, ["pd_connector.connector"])
+
+
+def test_the_wheel_packages_only_pd_connector():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["pd_connector*"]' in text
 
 
 # ---- (c) module size ----------------------------------------------------------------------------
@@ -242,91 +283,12 @@ def test_layer_check_allows_the_documented_directions():
     }) == []
 
 
-# ---- (e) test tooling stays out of the package --------------------------------------------------
-
-
-def imports_test_tooling(source: str, name: str) -> list[str]:
-    return sorted(t for t in imported(source, name) if t.split(".")[0] in TEST_TOOLING)
-
-
-def package_and_script_sources() -> dict[str, str]:
-    sources = {module_name(p): p.read_text() for p in modules()}
-    sources.update({f"scripts.{p.stem}": p.read_text() for p in sorted(SCRIPTS.glob("*.py"))})
-    return sources
-
-
-def test_nothing_in_the_package_or_scripts_imports_test_tooling():
-    sources = package_and_script_sources()
-    assert "pd_connector.dev.rig.stack" in sources and "scripts.gpu_check" in sources
-    offenders = {name: imports_test_tooling(source, name) for name, source in sources.items()}
-    assert {m: t for m, t in offenders.items() if t} == {}
-
-
-@pytest.mark.parametrize("line", [
-    "from support.tp_matrix import running",
-    "import support.router",
-    "import tests.support.vllm_pages",
-    "def lazy():\n    from support import fake_upstreams",
-])
-def test_test_tooling_check_sees_every_form_of_import(line):
-    assert imports_test_tooling(line, "pd_connector.dev.demo")
-
-
-def test_test_tooling_check_ignores_lookalike_names():
-    source = "import supportlib\nfrom pd_connector.dev.rig import stack\nfrom .support import x"
-    assert imports_test_tooling(source, "pd_connector.dev.rig.servers") == []
-
-
-def entry_points() -> list[str]:
-    """What runs the package other than tests: vLLM loads the connector, the ``pd-connector``
-    command (which imports ``pd_connector.dev.benchmarks.<name>`` by name) and scripts/."""
-    from pd_connector.cli import BENCHMARKS
-
-    return ["pd_connector.connector", "pd_connector.cli", *(f"pd_connector.dev.benchmarks.{b}" for b in BENCHMARKS),
-            *(f"scripts.{p.stem}" for p in sorted(SCRIPTS.glob("*.py")))]
-
-
-def unreached(sources: dict[str, str], roots: list[str]) -> list[str]:
-    """Modules of the package (``pd_connector.*`` in ``sources``) that no import chain from
-    ``roots`` reaches; a package counts as reached with any module in it."""
-    seen: set[str] = set()
-    todo = [r for r in roots if r in sources]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        parts = name.split(".")
-        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in sources]
-        todo += [t for t in imported(sources[name], name) if t in sources]
-    return sorted(m for m in sources if m.startswith("pd_connector") and m not in seen)
-
-
-def test_the_package_holds_no_test_only_module():
-    """Every module is needed by the connector, the command or a script: a harness only tests
-    import belongs in tests/support."""
-    sources = package_and_script_sources()
-    roots = entry_points()
-    assert "pd_connector.dev.benchmarks.scheduler" in roots and "scripts.integration" in roots
-    assert unreached(sources, roots) == []
-
-
-def test_test_only_check_sees_a_harness_only_tests_import():
-    """Negative control: tests/support's TP matrix put back into the package is reached by no
-    entry point; nor is a module once its only importer is gone."""
-    sources = package_and_script_sources()
-    sources["pd_connector.dev.rig.tp_matrix"] = (SUPPORT / "tp_matrix.py").read_text()
-    assert unreached(sources, entry_points()) == ["pd_connector.dev.rig.tp_matrix"]
-    assert "pd_connector.dev.rig.stack" in unreached(sources, ["pd_connector.connector"])
-
-
 # ---- (f) unit tests import no vLLM --------------------------------------------------------------
 
 
 def first_party_modules() -> set[str]:
-    """The package's modules and tests/support's (``support.*``), by import name."""
-    support = {"support" if p.stem == "__init__" else f"support.{p.stem}" for p in SUPPORT.glob("*.py")}
-    return {module_name(p) for p in modules()} | support
+    """The package's modules and rig/'s, by import name."""
+    return {module_name(p) for p in modules()} | {module_name(p) for p in modules(RIG)}
 
 
 def vllm_reached(sources: dict[str, str]) -> list[str]:
@@ -339,7 +301,7 @@ def vllm_reached(sources: dict[str, str]) -> list[str]:
         targets = imported(source, name)
         direct |= {t for t in targets if t.split(".")[0] == "vllm"}
         named |= targets & first_party
-    loaded = loaded_by_importing(sorted(named), (TESTS,))
+    loaded = loaded_by_importing(sorted(named))
     return sorted(direct | {m for m in loaded if m == "vllm" or m.startswith("vllm.")})
 
 

@@ -1,10 +1,10 @@
-"""Pure tests of pd_connector.dev.rig.oracle (no server)."""
+"""Pure tests of rig.oracle (no server)."""
 
 import math
 
 import pytest
 
-from pd_connector.dev.rig.oracle import (
+from rig.oracle import (
     Completion,
     CompletionError,
     compare,

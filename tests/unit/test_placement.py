@@ -1,4 +1,4 @@
-"""Where concurrently running vLLM CPU instances go (pd_connector.dev.rig.placement), and that
+"""Where concurrently running vLLM CPU instances go (rig.placement), and that
 the P/D stack takes its placement from there. Nothing is started: VllmServer only records the
 environment it would start with."""
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from pd_connector.dev.rig.placement import cpu_binds
-from pd_connector.dev.rig.stack import PDStack, StackConfig
+from rig.placement import cpu_binds
+from rig.stack import PDStack, StackConfig
 
 
 @pytest.fixture

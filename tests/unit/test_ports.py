@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.dev.rig import ports
+from rig import ports
 
 
 @given(st.integers(1, 500), st.integers(1, 400), st.data())

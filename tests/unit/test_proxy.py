@@ -18,7 +18,7 @@ from aiohttp import web
 from pd_connector import cli
 from pd_connector.proxy import server as proxy_mod
 from pd_connector.proxy.server import PREFILL_KV_PARAMS, build_app
-from support.fake_upstreams import SSE_CHUNKS, FakeUpstream, async_test, dead_url, serve
+from rig.fake_upstreams import SSE_CHUNKS, FakeUpstream, async_test, dead_url, serve
 
 # What a NIXL P returns (shape from vLLM 0.32.0), plus our replay offset.
 P_PARAMS = {

@@ -19,7 +19,7 @@ import pytest
 
 from pd_connector.proxy.server import build_app
 from pd_connector.proxy.relay import is_stale_connection
-from support.fake_upstreams import SSE_CHUNKS, FakeUpstream, RawUpstream, async_test, serve
+from rig.fake_upstreams import SSE_CHUNKS, FakeUpstream, RawUpstream, async_test, serve
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1,

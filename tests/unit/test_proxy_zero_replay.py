@@ -23,7 +23,7 @@ from pd_connector import cli
 from pd_connector.proxy import first_token as ft
 from pd_connector.proxy import server as proxy_mod
 from pd_connector.proxy.server import PREFILL_KV_PARAMS, build_app
-from support.fake_upstreams import FakeUpstream, async_test, serve
+from rig.fake_upstreams import FakeUpstream, async_test, serve
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT_IDS = [5, 6, 7, 8]

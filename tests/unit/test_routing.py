@@ -21,7 +21,7 @@ from pd_connector import cli
 from pd_connector.proxy import server as proxy_mod
 from pd_connector.proxy.server import STATE, build_app
 from pd_connector.proxy.routing import Pool, ProxyMetrics
-from support.fake_upstreams import FakeUpstream, async_test, dead_url, serve
+from rig.fake_upstreams import FakeUpstream, async_test, dead_url, serve
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1,

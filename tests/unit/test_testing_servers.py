@@ -1,4 +1,4 @@
-"""Tests of pd_connector.dev.rig.servers (and .prometheus) without vLLM: metric parsing and
+"""Tests of rig.servers (and .prometheus) without vLLM: metric parsing and
 process-group teardown.
 
 The lifecycle tests run a stub "api_server" (a tiny HTTP server that spawns a child in its own
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from pd_connector.dev.rig.prometheus import parse_metric, parse_metric_labels
-from pd_connector.dev.rig.ports import free_port
-from pd_connector.dev.rig.servers import ServerError, VllmServer, start_many
+from rig.prometheus import parse_metric, parse_metric_labels
+from rig.ports import free_port
+from rig.servers import ServerError, VllmServer, start_many
 
 METRICS = """\
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.

@@ -1,6 +1,6 @@
-"""Pure tests of pd_connector.dev.rig.ucx_logs: UCX_PROTO_INFO tables read from a log."""
+"""Pure tests of rig.ucx_logs: UCX_PROTO_INFO tables read from a log."""
 
-from pd_connector.dev.rig.ucx_logs import SHARED_MEMORY_TRANSPORTS, proto_tables, read_tables, transports
+from rig.ucx_logs import SHARED_MEMORY_TRANSPORTS, proto_tables, read_tables, transports
 
 # Two processes' tables interleaved, the first one cut off at the top (a log tail).
 LOG = """\

@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny local model so ModelConfig never touches a hub (its weights are not used)."""
-    from pd_connector.dev.rig.tiny_models import build_model
+    from rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("llama", root))

@@ -1,9 +1,9 @@
-"""``pd-connector bench transfer --check-vllm``: the benchmark's KV-cache placement is vLLM's own
+"""``python -m benchmarks transfer --check-vllm``: the benchmark's KV-cache placement is vLLM's own
 (``get_kv_cache_config_from_groups``, which vLLM 0.33 moved to kv_cache_planning.py)."""
 
 import json
 
-from pd_connector.dev.benchmarks.transfer_shapes import child_check_vllm
+from benchmarks.transfer_shapes import child_check_vllm
 
 
 def test_benchmark_placement_matches_vllms_get_kv_cache_config_from_groups(capsys):

@@ -1,5 +1,5 @@
 """Attention blocks of different sizes on P and D, through vLLM's own pages: vLLM builds each
-rank's spec, placement and page views (tests/support/vllm_pages.py) at P's and D's block size,
+rank's spec, placement and page views (rig/vllm_pages.py) at P's and D's block size,
 the connector describes them (``describe_shards``, with the token layout of vLLM's CPU attention
 backend and ISA) and plans the re-cut (``block_phases.peer_regions``, ``route_pairs``); the
 copy is done as a READ would, piece by piece. The oracle is vLLM's own CPU kernel: it writes
@@ -21,7 +21,7 @@ import torch
 
 from pd_connector.core import block_phases, pairing, shards
 from pd_connector.core.pairing import ATTENTION, GroupLayout
-from support.vllm_pages import Layers, plain_attention
+from rig.vllm_pages import Layers, plain_attention
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402

@@ -21,7 +21,7 @@ caching across the handoff"). Checked per speculative setting, unit and backend 
 from __future__ import annotations
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import make_request, make_scheduler, run_step
+from rig.scheduler_harness import make_request, make_scheduler, run_step
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -29,8 +29,8 @@ from vllm.v1.outputs import KVConnectorOutput
 from pd_connector.core import checkpoints
 from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
 from pd_connector.core.params import KEY_CHECKPOINTS
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import random_prompt
+from rig.tiny_models import build_model
 from pd_connector.engine import faults
 
 B = 64

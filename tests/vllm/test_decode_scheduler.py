@@ -1,7 +1,7 @@
 """D half against vLLM's real Scheduler: validate P's offset, load exactly R, recompute [R, N)."""
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from PIL import Image
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import (

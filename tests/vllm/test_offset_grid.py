@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import connector_half, make_scheduler
+from rig.scheduler_harness import connector_half, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_cache_interface import MambaSpec, get_mamba_prefill_checkpoint_position
@@ -44,7 +44,7 @@ def test_plan_lands_on_vllms_checkpoint_only_within_budget(n, unit, lookahead, d
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    from pd_connector.dev.rig.tiny_models import build_model
+    from rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return {kind: str(build_model(kind, root)) for kind in ("llama", "eagle_llama", "qwen3_next_mtp")}

@@ -1,7 +1,7 @@
 """P half against vLLM's real Scheduler and KV-cache manager."""
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 

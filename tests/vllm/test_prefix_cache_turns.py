@@ -28,13 +28,13 @@ harness samples no drafts, and its aggregated request never finishes there):
 from __future__ import annotations
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import make_request, make_scheduler, run_step
+from rig.scheduler_harness import make_request, make_scheduler, run_step
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core.handoff import min_recompute_tokens
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.tiny_models import build_model
+from rig.cpu_matrix import random_prompt
+from rig.tiny_models import build_model
 
 B = 64
 HYBRID = ("attention", "mamba")

@@ -23,8 +23,8 @@ from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
 from pd_connector.core import checkpoints
 from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.scheduler_harness import make_request
+from rig.cpu_matrix import random_prompt
+from rig.scheduler_harness import make_request
 from tests.vllm.test_prefix_cache_turns import B, _decode, _scheduler, _serve, models  # noqa: F401
 from tests.vllm.test_zero_replay_turns import SEED_LENGTHS, SEED_TURN2, _seed_scheduler
 

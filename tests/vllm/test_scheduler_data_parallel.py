@@ -3,7 +3,7 @@ its own prefill engine (vLLM's ``<id>_dp<k>``) on its own ports, a D engine read
 them, and an engine with only connector work keeps being stepped (what DP's lockstep relies on)."""
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
@@ -113,7 +113,7 @@ def test_two_instances_on_overlapping_ports_refuse_at_start_up_naming_the_scheme
     """A second DP-2 instance whose side_channel_port is one above the first's: its DP rank 0
     wants the first instance's DP rank 1 port. The bind refusal names the port, the setting and
     the scheme that fixes it."""
-    from pd_connector.dev.rig.ports import free_ports
+    from rig.ports import free_ports
     from pd_connector.transport.side_channel import SideChannelError
 
     base = free_ports(3)

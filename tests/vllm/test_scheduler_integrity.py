@@ -5,7 +5,7 @@ EngineCore."""
 import time
 
 import pytest
-from pd_connector.dev.rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
+from rig.scheduler_harness import connector_half, finished_params, make_request, make_scheduler, run_step
 from vllm.lora.request import LoRARequest
 from vllm.v1.outputs import KVConnectorOutput
 

@@ -1,5 +1,5 @@
 """The shard layouts of engine/shard_layout.py on pages vLLM builds itself: vLLM's spec objects,
-its KVCacheTensor placement and its page views (tests/support/vllm_pages.py). Every byte D's plan
+its KVCacheTensor placement and its page views (rig/vllm_pages.py). Every byte D's plan
 copies must land on the unit (slot kind, KV head, token) vLLM's view says it belongs to, and
 anything the code cannot place must be refused by name. Each layout has a negative control.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pd_connector.core import shards
-from support.vllm_pages import LAYERS, Layers, copy_planned, plain_attention
+from rig.vllm_pages import LAYERS, Layers, copy_planned, plain_attention
 
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 FullAttentionSpec, MLAAttentionSpec, MambaSpec = vllm_kv.FullAttentionSpec, vllm_kv.MLAAttentionSpec, vllm_kv.MambaSpec

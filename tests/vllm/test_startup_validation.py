@@ -190,7 +190,7 @@ def test_mamba_block_size_alone_is_no_difference(model_dir):
 
 
 def test_handshake_names_a_different_model(model_dir, tmp_path):
-    from pd_connector.dev.rig.tiny_models import build_model
+    from rig.tiny_models import build_model
 
     other = str(build_model("llama", tmp_path / "other-root"))
     renamed = tmp_path / "other-model"
@@ -288,7 +288,7 @@ def hybrid_model_dir(tmp_path_factory) -> str:
     import os
     from pathlib import Path
 
-    from pd_connector.dev.rig.tiny_models import build_model
+    from rig.tiny_models import build_model
 
     root = Path(os.environ.get("PD_TEST_MODEL_ROOT") or tmp_path_factory.mktemp("models"))
     return str(build_model("nemotron_h", root))

@@ -1,6 +1,6 @@
 """The recurrent-state shard layouts of engine/from_vllm/recurrent_layouts.py on states vLLM builds
 itself: vLLM's layer classes at each TP size and rank, their MambaSpec, placement, page views and
-state tensors (tests/support/vllm_states.py). Every byte of every D page must hold what the P rank
+state tensors (rig/vllm_states.py). Every byte of every D page must hold what the P rank
 holding the same global channel or head held, the owner read off the layer's own loaded weights,
 in both conv-state orientations (SD, DS); a plan one channel or one head off must fail; a layer
 the code cannot place must be refused by name and reason.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pd_connector.core import shards
-from support.vllm_states import FAMILIES, LAYERS, Family, check_pair
+from rig.vllm_states import FAMILIES, LAYERS, Family, check_pair
 
 mamba_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils")
 
@@ -181,7 +181,7 @@ def _mla_classes():
 def test_mla_latent_from_vllms_spec_builders_is_read_whole_at_any_ratio(module, name, p, d):
     """Kimi Linear's MLA layers (and DeepSeek's) declare ``max_tp_shards=1``: every rank's page
     is the same latent, read whole from one P rank whatever the TP ratio."""
-    from support.vllm_pages import Layers
+    from rig.vllm_pages import Layers
 
     cls = getattr(pytest.importorskip(module), name)
     spec = _mla_spec(cls)

@@ -22,8 +22,8 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
-from pd_connector.dev.rig.cpu_matrix import random_prompt
-from pd_connector.dev.rig.scheduler_harness import make_request, run_step
+from rig.cpu_matrix import random_prompt
+from rig.scheduler_harness import make_request, run_step
 from tests.vllm.test_prefix_cache_turns import B, OUTPUT, _outputs, _run_to_end, _scheduler, _serve, models  # noqa: F401
 
 LENGTHS = [B - 1, B, B + 1, 2 * B - 1, 2 * B, 2 * B + 1, 3 * B + 1, 16, 17, 47, 48, 49, 81, 100]
@@ -97,7 +97,7 @@ SEED_LENGTHS = [24576, 24575, 24577, 24576 - 128, 24576 - 127, 23040, 23041, 245
 def _seed_scheduler(models, spec, role):
     from tests.vllm.test_prefix_cache_turns import _speculative
 
-    from pd_connector.dev.rig.scheduler_harness import make_scheduler
+    from rig.scheduler_harness import make_scheduler
 
     model, speculative = _speculative(models, spec)
     return make_scheduler(
