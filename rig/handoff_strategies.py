@@ -12,7 +12,7 @@ profiles = st.builds(
     has_recurrent_state=st.booleans(),
     prefill_lookahead=st.integers(0, 6),
     bounded_replay=st.booleans(),
-    replay_grid=st.one_of(st.just(0), st.integers(1, 64), st.sampled_from([8, 16, 32, 64, 128])),
+    checkpoint_unit=st.one_of(st.just(0), st.integers(1, 64), st.sampled_from([8, 16, 32, 64, 128])),
     eagle_drop=st.booleans(),
 )
 # The skew scenario of the brief: EAGLE-family lookahead 0..4, recurrent or not, no grid.

@@ -33,19 +33,30 @@ from pd_connector.core.protocol import CheckpointBlocks
 
 class CheckpointRule(msgspec.Struct, frozen=True):
     """What decides where one engine keeps a prompt's recurrent states (from its vLLM config,
-    engine/checkpoint_pool.py ``checkpoint_rule_from_vllm``). ``unit`` 0: no prefix caching of
-    recurrent state (``mamba_cache_mode`` none), so no checkpoint at all."""
+    engine/checkpoint_pool.py ``checkpoint_rule_from_vllm``): the engine's ``profile`` (its unit
+    u, EAGLE drop and lookahead, described once there) plus what only checkpoints depend on.
+    Unit 0: no prefix caching of recurrent state (``mamba_cache_mode`` none), no checkpoint."""
 
     block_size: int = 0  # the Mamba groups' block size B
-    unit: int = 0  # cache-hit alignment u (RecomputeProfile.replay_grid)
-    eagle_drop: bool = False  # SpeculativeConfig.use_eagle_block_drop()
+    profile: RecomputeProfile = msgspec.field(default_factory=RecomputeProfile)
     exports: bool = False  # every Mamba backend exports prefill checkpoints (Mamba2, KDA)
-    prefill_lookahead: int = 0  # VllmConfig.num_prefill_lookahead_tokens
     # The granularity the scheduler ends prefill chunks on: ``cache_config.block_size``, which
     # ``_mamba_block_aligned_split`` reads. 0: the Mamba block. vLLM CPU's API server leaves it
     # at 128 while it raises the hybrid's blocks to 640 (tiny Qwen3-Next), so a chunk end is a
     # Mamba block boundary, and its state kept, only where a multiple of 128 is one of 640.
     split_block: int = 0
+
+    @property
+    def unit(self) -> int:
+        return self.profile.checkpoint_unit
+
+    @property
+    def eagle_drop(self) -> bool:
+        return self.profile.eagle_drop
+
+    @property
+    def prefill_lookahead(self) -> int:
+        return self.profile.prefill_lookahead
 
     @property
     def keeps_states(self) -> bool:

@@ -55,11 +55,11 @@ class RecomputeProfile(msgspec.Struct, frozen=True):
     # (vLLM's ``_prefill_backoff`` backs off 1 for them, not the window: a P/D load restores
     # the window, ``Scheduler._load_restores_replay_window``). The >= 1 floor covers it.
     bounded_replay: bool = False
-    # Prefix caching in Mamba ``align`` mode: vLLM looks Mamba state up (and registers it) only
-    # at multiples of this many tokens, the Mamba group's cache-hit alignment: the
-    # ``prefix_match_unit`` when it is finer than the block, else the block size. 0 = no
-    # prefix caching of recurrent state.
-    replay_grid: int = 0
+    # The unit u: with prefix caching in Mamba ``align`` mode, vLLM looks Mamba state up (and
+    # registers it) only at multiples of this many tokens, the Mamba group's cache-hit
+    # alignment: the ``prefix_match_unit`` when it is finer than the block, else the block
+    # size. 0 = no prefix caching of recurrent state (no checkpoints).
+    checkpoint_unit: int = 0
     # vLLM's ``SpeculativeConfig.use_eagle_block_drop()`` with prefix caching: the prompt
     # checkpoint sits one unit earlier (``get_mamba_prefill_checkpoint_position``:
     # floor(N/u)*u - u, "the EAGLE drop").
@@ -146,7 +146,7 @@ def plan_handoff(
     if num_prompt_tokens <= 0:
         return HandoffPlan(0)
     tail = max(min_recompute_tokens(profile), requested_min_recompute, configured_min_recompute, 0)
-    unit = profile.replay_grid
+    unit = profile.checkpoint_unit
     checkpoint = mamba_checkpoint_position(num_prompt_tokens, unit, profile.eagle_drop) if unit > 0 else 0
     if first_token and tail == 1:
         return HandoffPlan(num_prompt_tokens, checkpoint, first_token=True, whole_prompt=True)
@@ -173,7 +173,7 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/scheduler.py). Never
     with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
     computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
-    checkpoint, unit = plan.checkpoint, profile.replay_grid
+    checkpoint, unit = plan.checkpoint, profile.checkpoint_unit
     needed = checkpoint + (unit if profile.eagle_drop else 0)
     if unit <= 0 or checkpoint <= 0 or needed > plan.offset:
         return 0

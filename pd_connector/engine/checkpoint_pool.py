@@ -58,16 +58,14 @@ def checkpoint_rule_from_vllm(
     read by ``Scheduler._mamba_block_aligned_split`` at every step; ``CheckpointPool.rule``
     reads it again per request)."""
     sizes = {layout.block_size for layout in layouts if layout.kind == MAMBA}
-    if len(sizes) != 1 or not profile.replay_grid:
+    if len(sizes) != 1 or not profile.checkpoint_unit:
         return CheckpointRule()
     specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g, layout in zip(group_ids, layouts) if layout.kind == MAMBA]
     exports = all((getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for spec in specs)
     return CheckpointRule(
         block_size=sizes.pop(),
-        unit=profile.replay_grid,
-        eagle_drop=profile.eagle_drop,
+        profile=profile,
         exports=exports,
-        prefill_lookahead=profile.prefill_lookahead,
         split_block=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
     )
 

@@ -87,7 +87,7 @@ class SchedulerSide:
             self.dp_index,
             [layout.kind for layout in self.layouts],
             handoff.min_recompute_tokens(self.profile),
-            self.profile.replay_grid,
+            self.profile.checkpoint_unit,
             rule,
         )
 

@@ -46,8 +46,15 @@ FAST = settings(max_examples=300, deadline=None)
 
 # Every setting the rule reads: block B, unit u (0: mode none), drop, exports, lookahead, and
 # the scheduler's split granularity S (vLLM CPU's API server: S = 128 under B = 640).
+def rule_of(block_size: int, unit: int, eagle_drop: bool = False, exports: bool = False,
+            prefill_lookahead: int = 0, split_block: int = 0) -> CheckpointRule:
+    """A hybrid engine's rule: its facts (unit, drop, lookahead) in its ``RecomputeProfile``."""
+    profile = RecomputeProfile(True, prefill_lookahead, checkpoint_unit=unit, eagle_drop=eagle_drop)
+    return CheckpointRule(block_size, profile, exports, split_block)
+
+
 rules = st.builds(
-    CheckpointRule,
+    rule_of,
     block_size=st.sampled_from([16, 32, 64, 80]),
     unit=st.sampled_from([0, 8, 16, 32, 64, 80]),
     eagle_drop=st.booleans(),
@@ -137,7 +144,7 @@ def test_kept_checkpoints_exhaustive_small():
             for drop in (False, True):
                 for exports in (False, True):
                     for lookahead in range(4):
-                        rule = CheckpointRule(b, u, drop, exports, lookahead)
+                        rule = rule_of(b, u, drop, exports, lookahead)
                         for n in range(1, 5 * b):
                             for computed in (None, n):
                                 got = set(kept_checkpoints(n, rule, computed))
@@ -149,7 +156,7 @@ def test_the_cpu_servers_split_keeps_a_checkpoint_only_on_both_grids():
     blocks are 640 (tiny Qwen3-Next): aggregated serving keeps 1280 at N = 1300 (1280 is on both
     grids) and nothing below N at 805 or 1445 (768 and 1408 are mid-block), so P hands over
     1280 at 1300 only."""
-    rule = CheckpointRule(block_size=640, unit=640, split_block=128)
+    rule = rule_of(block_size=640, unit=640, split_block=128)
     assert kept_checkpoints(1300, rule) == (1280,) and kept_checkpoints(645, rule) == (640,)
     assert kept_checkpoints(805, rule) == () and kept_checkpoints(1445, rule) == ()
     assert kept_checkpoints(1299, rule, computed=1299) == (1280,)  # P's own replay boundary
@@ -171,7 +178,7 @@ def test_checkpoints_lie_on_the_grid_and_inside_the_prompt(n, rule):
 def p_junction(n: int, offset: int, rule: CheckpointRule) -> int:
     """The shared-prefix boundary P pins (engine/prefill_half.py): its own next turn's
     checkpoint first, else one for D."""
-    profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
+    profile = rule.profile
     plan = plan_handoff(n, profile)
     assert plan.offset == offset
     keep = checkpoint_to_keep(plan, profile) if offset else 0
@@ -180,7 +187,7 @@ def p_junction(n: int, offset: int, rule: CheckpointRule) -> int:
 
 
 def test_mode_none_keeps_nothing_and_hands_over_nothing():
-    rule = CheckpointRule(block_size=64, unit=0)
+    rule = rule_of(block_size=64, unit=0)
     for n in range(1, 300):
         assert kept_checkpoints(n, rule) == ()
         assert checkpoints_to_hand_over(n, n - 1, rule) == ()
@@ -190,7 +197,7 @@ def test_mode_none_keeps_nothing_and_hands_over_nothing():
 def test_the_issue_case_two_units_and_a_few_tokens(n, expected):
     """Unit B, no speculation, R = N - 1: the checkpoint below R aggregated serving keeps (N = 2B
     + 5 keeps 2B = 128, where R = 132) is handed over; none at N = kB + 1, where R is it."""
-    rule = CheckpointRule(block_size=64, unit=64)
+    rule = rule_of(block_size=64, unit=64)
     assert checkpoints_to_hand_over(n, n - 1, rule) == expected
     assert checkpoints_not_computed(n, n - 1, rule) == ()
 
@@ -198,7 +205,7 @@ def test_the_issue_case_two_units_and_a_few_tokens(n, expected):
 @FAST
 @given(prompts, rules)
 def test_handed_over_checkpoints_are_kept_by_both_and_below_the_offset(n, rule):
-    profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
+    profile = rule.profile
     offset = plan_handoff(n, profile).offset
     junction = p_junction(n, offset, rule)
     handed = checkpoints_to_hand_over(n, offset, rule, junction)
@@ -221,7 +228,7 @@ def test_p_misses_no_checkpoint_without_the_drop_or_multi_module_mtp(n, rule):
 def test_p_keeps_what_it_hands_over_in_vllms_own_prefill(n, rule):
     """Restated on P's side: the truncated prompt's prefill, its pin as the junction, keeps
     every checkpoint handed over; what it does not keep is exactly ``checkpoints_not_computed``."""
-    profile = RecomputeProfile(True, rule.prefill_lookahead, replay_grid=rule.unit, eagle_drop=rule.eagle_drop)
+    profile = rule.profile
     offset = plan_handoff(n, profile).offset
     pin = p_junction(n, offset, rule)
     on_p = _vllm_kept(offset, rule, computed=offset, junction=pin) if offset else set()
@@ -233,19 +240,19 @@ def test_p_keeps_what_it_hands_over_in_vllms_own_prefill(n, rule):
 def test_the_eagle_drop_on_a_block_aligned_prompt_is_pinned_on_p():
     """floor(N/B)*B - B for the whole prompt, floor((N-1)/B)*B - B for P's: at N = kB, P pins
     N - B as its junction, so it computes and hands over the state there too."""
-    rule = CheckpointRule(block_size=64, unit=64, eagle_drop=True, prefill_lookahead=1)
+    rule = rule_of(block_size=64, unit=64, eagle_drop=True, prefill_lookahead=1)
     assert checkpoint_to_pin(192, 191, rule) == 128
     assert checkpoints_to_hand_over(192, 191, rule) == () and checkpoints_not_computed(192, 191, rule) == (128,)
     assert checkpoints_to_hand_over(192, 191, rule, 128) == (128,) and checkpoints_not_computed(192, 191, rule, 128) == ()
     assert checkpoint_to_pin(200, 199, rule) == 0 and checkpoints_to_hand_over(200, 199, rule) == (128,)
-    fine = CheckpointRule(block_size=64, unit=16, eagle_drop=True, prefill_lookahead=1)
+    fine = rule_of(block_size=64, unit=16, eagle_drop=True, prefill_lookahead=1)
     # The sub-block tail N - u of a prompt of whole units: no junction stops inside a block.
     assert checkpoints_not_computed(160, 159, fine) == (144,) and checkpoints_to_hand_over(160, 159, fine) == (64,)
 
 
 def test_multi_module_mtp_keeps_nothing_in_its_re_prefillable_tail():
     """K = 3 (lookahead 3): P computes R = N - 2, and caches nothing in its last 2 tokens."""
-    rule = CheckpointRule(block_size=64, unit=64, prefill_lookahead=3)
+    rule = rule_of(block_size=64, unit=64, prefill_lookahead=3)
     assert kept_checkpoints(131, rule) == (128,)
     assert kept_checkpoints(129, rule, computed=129) == ()  # 128 is one token below the end
     assert checkpoints_to_hand_over(200, 198, rule) == (192,)
@@ -254,7 +261,7 @@ def test_multi_module_mtp_keeps_nothing_in_its_re_prefillable_tail():
 
 
 LAYOUTS = (GroupLayout(ATTENTION, 64), GroupLayout(MAMBA, 64, mamba_cache_mode="align"))
-RULE = CheckpointRule(block_size=64, unit=64)
+RULE = rule_of(block_size=64, unit=64)
 
 
 def test_d_places_what_p_hands_over_with_the_same_rule():
@@ -266,13 +273,13 @@ def test_d_places_what_p_hands_over_with_the_same_rule():
 @pytest.mark.parametrize(
     "states, rule, kind",
     [
-        ([CheckpointBlocks(128, [[], [7]])], CheckpointRule(64, 0), "no_prefix_cache"),
+        ([CheckpointBlocks(128, [[], [7]])], rule_of(64, 0), "no_prefix_cache"),
         ([CheckpointBlocks(128, [[3], [7]])], RULE, "groups"),
         ([CheckpointBlocks(128, [[], [7, 8]])], RULE, "groups"),
         ([CheckpointBlocks(128, [[7]])], RULE, "groups"),
         ([CheckpointBlocks(132, [[], [7]])], RULE, "out_of_range"),
         ([CheckpointBlocks(64, [[], [7]])], RULE, "not_kept_here"),
-        ([CheckpointBlocks(128, [[], [7]])], CheckpointRule(48, 48), "not_kept_here"),
+        ([CheckpointBlocks(128, [[], [7]])], rule_of(48, 48), "not_kept_here"),
     ],
 )
 def test_d_refuses_a_checkpoint_it_cannot_place(states, rule, kind):
@@ -387,7 +394,7 @@ def test_states_to_pin_adds_the_resume_state_only_for_a_hybrid_computing_past_r(
     from pd_connector.core.handoff import HandoffPlan
     from pd_connector.core.pairing import GroupLayout
 
-    rule = CheckpointRule(block_size=64, unit=64)
+    rule = rule_of(block_size=64, unit=64)
     whole, truncated = HandoffPlan(128, 128, whole_prompt=True), HandoffPlan(132, 128)
     assert prefill_length(133, whole) == 133 and prefill_length(133, truncated) == 132
     assert 128 in states_to_pin(133, whole, True, rule, 0)[0]

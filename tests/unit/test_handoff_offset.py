@@ -36,7 +36,7 @@ def expected_offset(n: int, profile: RecomputeProfile, requested: int = 0, max_e
     """The rule restated: N minus the recompute tail, or vLLM's prompt checkpoint when it is no
     more than ``max_extra`` tokens below that (align mode, ``max_checkpoint_recompute``)."""
     offset = max(0, n - max(min_recompute_tokens(profile), requested))
-    u = profile.replay_grid
+    u = profile.checkpoint_unit
     if u > 0:
         checkpoint = vllm_mamba_checkpoint(n, u, profile.eagle_drop)
         if 0 < checkpoint <= offset and offset - checkpoint <= max_extra:
@@ -115,8 +115,8 @@ def test_checkpoint_trade_lands_on_vllm_checkpoint_within_its_budget(n, profile,
     tail = max(min_recompute_tokens(profile), requested)
     assert plan.offset == expected_offset(n, profile, requested, max_extra)
     assert 0 <= max(0, n - tail) - plan.offset <= max_extra
-    if profile.replay_grid > 0:
-        assert plan.checkpoint == vllm_mamba_checkpoint(n, profile.replay_grid, profile.eagle_drop)
+    if profile.checkpoint_unit > 0:
+        assert plan.checkpoint == vllm_mamba_checkpoint(n, profile.checkpoint_unit, profile.eagle_drop)
     else:
         assert plan.checkpoint == 0
 
@@ -140,7 +140,7 @@ def test_p_keeps_the_whole_prompts_checkpoint_when_its_truncation_would_lose_it(
     differ only when a grid point lies in (R, N], and then the block above C ends past R."""
     plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
     keep = checkpoint_to_keep(plan, profile)
-    unit = profile.replay_grid
+    unit = profile.checkpoint_unit
     truncated = vllm_mamba_checkpoint(plan.offset, unit, profile.eagle_drop) if unit else 0
     needed = plan.checkpoint + (unit if profile.eagle_drop else 0)
     if unit and plan.checkpoint > 0 and needed <= plan.offset and plan.checkpoint != truncated:
@@ -152,7 +152,7 @@ def test_p_keeps_the_whole_prompts_checkpoint_when_its_truncation_would_lose_it(
 
 def test_p_keeps_k_blocks_at_n_equal_k_blocks_plus_one():
     """The e2e failure it pins: N = kB + 1, P computes kB, vLLM keeps (k-1)B; P must keep kB."""
-    profile = RecomputeProfile(has_recurrent_state=True, replay_grid=384)
+    profile = RecomputeProfile(has_recurrent_state=True, checkpoint_unit=384)
     for k in (1, 2, 3):
         assert checkpoint_to_keep(plan_handoff(k * 384 + 1, profile), profile) == k * 384
         assert checkpoint_to_keep(plan_handoff(k * 384 + 2, profile), profile) == 0  # vLLM keeps it
@@ -170,7 +170,7 @@ def test_p_pins_its_checkpoint_only_where_vllm_set_no_junction_of_its_own():
 @pytest.mark.parametrize("n", [0, -1, -100])
 def test_choose_offset_for_empty_prompt_is_zero(n):
     assert plan_handoff(n, RecomputeProfile(has_recurrent_state=True)).offset == 0
-    assert plan_handoff(n, RecomputeProfile(replay_grid=16), max_checkpoint_recompute=10**6) == HandoffPlan(0)
+    assert plan_handoff(n, RecomputeProfile(checkpoint_unit=16), max_checkpoint_recompute=10**6) == HandoffPlan(0)
 
 
 def test_choose_offset_equals_vllm_implicit_rule_exhaustive():
@@ -214,14 +214,14 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
         (40, RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3), 0, 0, 38),
         (40, RecomputeProfile(has_recurrent_state=True), 2, 0, 38),  # D runs MTP K=3
         # The measured case of the brief: 640-token grid, N=805 and 1153 no longer floored.
-        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 0, 804),
-        (1153, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 0, 1152),
-        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 640, 640),
-        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 163, 804),
-        (805, RecomputeProfile(has_recurrent_state=True, replay_grid=640), 0, 164, 640),
-        (128, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 10**6, 96),
-        (129, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 0, 128),
-        (31, RecomputeProfile(has_recurrent_state=True, replay_grid=32), 0, 10**6, 30),
+        (805, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=640), 0, 0, 804),
+        (1153, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=640), 0, 0, 1152),
+        (805, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=640), 0, 640, 640),
+        (805, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=640), 0, 163, 804),
+        (805, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=640), 0, 164, 640),
+        (128, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=32), 0, 10**6, 96),
+        (129, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=32), 0, 0, 128),
+        (31, RecomputeProfile(has_recurrent_state=True, checkpoint_unit=32), 0, 10**6, 30),
         (1, RecomputeProfile(), 0, 0, 0),
         (2, RecomputeProfile(), 0, 0, 1),
         (5, RecomputeProfile(), 10, 0, 0),
@@ -291,7 +291,7 @@ def test_unbounded_trade_is_vllm_checkpoint_with_and_without_eagle():
     for unit in (1, 2, 8, 16, 32, 64):
         for eagle in (False, True):
             profile = RecomputeProfile(
-                has_recurrent_state=True, prefill_lookahead=int(eagle), replay_grid=unit, eagle_drop=eagle
+                has_recurrent_state=True, prefill_lookahead=int(eagle), checkpoint_unit=unit, eagle_drop=eagle
             )
             for n in range(1, 400):
                 checkpoint = vllm_mamba_checkpoint(n, unit, eagle)
@@ -368,14 +368,14 @@ def test_requested_min_recompute(raw, expected):
 
 @MANY
 # A grid of recurrent-state checkpoints implies recurrent state (profile_from_vllm).
-@given(prompt_lengths, profiles.filter(lambda p: p.has_recurrent_state or not p.replay_grid), st.integers(0, 40),
+@given(prompt_lengths, profiles.filter(lambda p: p.has_recurrent_state or not p.checkpoint_unit), st.integers(0, 40),
        st.one_of(st.none(), st.integers(0, 300)), st.data())
 def test_whole_prompt_plan_resumes_only_where_p_keeps_the_state(n, profile, requested, bound, data):
     """Given the states P keeps prefilling the whole prompt: a hybrid's whole-prompt plan
     resumes at vLLM's prompt checkpoint, which P keeps, within the bound on D's extra tokens; an
     attention-only plan hands over N - tail of the whole prompt; otherwise P truncates (the plan
     without states). D always recomputes at least its tail."""
-    checkpoint = mamba_checkpoint_position(n, profile.replay_grid, profile.eagle_drop) if profile.replay_grid else 0
+    checkpoint = mamba_checkpoint_position(n, profile.checkpoint_unit, profile.eagle_drop) if profile.checkpoint_unit else 0
     states = data.draw(st.sets(st.sampled_from([checkpoint, 1, n // 2, n - 1]) if n > 1 else st.just(0)).map(
         lambda s: tuple(sorted(p for p in s if 0 < p < n))))
     plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=bound, whole_prompt_states=states)
@@ -391,14 +391,14 @@ def test_whole_prompt_plan_resumes_only_where_p_keeps_the_state(n, profile, requ
         assert plan.offset == checkpoint == plan.checkpoint and checkpoint in states
     else:
         assert plan.offset == n - tail > 0
-    reachable = profile.replay_grid and 0 < checkpoint <= n - tail and checkpoint in states
+    reachable = profile.checkpoint_unit and 0 < checkpoint <= n - tail and checkpoint in states
     if profile.has_recurrent_state and bound is None and reachable:
         assert plan.whole_prompt and plan.offset == checkpoint
 
 
 def test_whole_prompt_plan_examples():
-    hybrid = RecomputeProfile(has_recurrent_state=True, replay_grid=64)
-    eagle = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1, replay_grid=16, eagle_drop=True)
+    hybrid = RecomputeProfile(has_recurrent_state=True, checkpoint_unit=64)
+    eagle = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1, checkpoint_unit=16, eagle_drop=True)
     # N = 2B + 5: resume on the checkpoint 2B, D recomputes 5 tokens.
     assert plan_handoff(133, hybrid, max_checkpoint_recompute=None, whole_prompt_states=(128,)) == HandoffPlan(
         128, 128, whole_prompt=True)

@@ -28,7 +28,7 @@ def test_checkpoint_position_is_vllms(n, unit, drop):
 def test_plan_lands_on_vllms_checkpoint_only_within_budget(n, unit, lookahead, drop, budget):
     """The offset is vLLM's checkpoint when that costs D at most ``budget`` extra tokens
     (``max_checkpoint_recompute``), else N - tail: D recomputes only its minimum by default."""
-    profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=lookahead, replay_grid=unit, eagle_drop=drop)
+    profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=lookahead, checkpoint_unit=unit, eagle_drop=drop)
     tail = max(1, lookahead - 1)
     plan = plan_handoff(n, profile, max_checkpoint_recompute=budget)
     checkpoint = get_mamba_prefill_checkpoint_position(n, unit, drop)
@@ -95,7 +95,7 @@ def test_eagle_drop_and_offset_follow_vllms_scheduler(models, name, disable_drop
         lookahead["num_hash_lookahead_tokens"] = scheduler.num_hash_lookahead_tokens
     manager = _mamba_manager(scheduler)
     unit = manager.cache_hit_alignment_tokens
-    assert unit == (pmu or 16) == profile.replay_grid
+    assert unit == (pmu or 16) == profile.checkpoint_unit
     assert manager.drop_eagle_checkpoint_block == profile.eagle_drop
     tail = min_recompute_tokens(profile)
     for n in range(1, 4 * 16 + 3):

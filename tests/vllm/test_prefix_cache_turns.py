@@ -141,7 +141,7 @@ class Conversation:
         self.d = _scheduler(models, config, "kv_consumer")
         half = self.p.connector._scheduler
         self.profile = half.profile
-        self.unit = half.profile.replay_grid
+        self.unit = half.profile.checkpoint_unit
         self.drop = half.profile.eagle_drop
 
     def run(self, n, seed):

@@ -73,7 +73,7 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         has_recurrent_state=has_mamba,
         prefill_lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
         bounded_replay=bounded_replay,
-        replay_grid=grid,
+        checkpoint_unit=grid,
         eagle_drop=bool(grid and eagle_block_drop(vllm_config)),
     )
 
