@@ -1,5 +1,8 @@
 """Wall time per test module, printed at the end of every run (CI's breakdown, docs/testing.md);
-and tests/ on sys.path for rig/.
+the checkout's root on sys.path for the rig (rig/) and the benchmarks; and each test's outcome recorded for the correctness matrix
+(rig/correctness_matrix.py: merged into .artifacts/test-outcomes.json at session end,
+``PD_TEST_OUTCOMES`` names another file or ``off``; ``make matrix`` renders
+docs/correctness-matrix.md from it).
 
 A module's time is the sum of its tests' setup, call and teardown phases, so a session or module
 fixture (a server stack) counts for the module whose test started it, and a fixture torn down in
@@ -18,6 +21,9 @@ import pytest
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Outcomes by node id for docs/correctness-matrix.md (stdlib only: no vLLM is imported).
+pytest_plugins = ["rig.correctness_matrix"]
 
 _module_seconds: dict[str, float] = defaultdict(float)
 _module_tests: dict[str, int] = defaultdict(int)
