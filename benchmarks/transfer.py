@@ -146,6 +146,9 @@ def parse_args(argv=None):
                     help="nixl_ucx_error_handling for the connector and raw NIXL agents (default: the connector's)")
     ap.add_argument("--progress-delay-us", type=int, help="nixl_progress_delay_us for every agent "
                     "(default: the connector's, 100 over DRAM, 0 over VRAM)")
+    ap.add_argument("--idle-step-wait-ms", type=float, default=ConnectorSettings().idle_step_wait_ms,
+                    help="idle_step_wait_ms: the connector path's wait between polls of a READ in flight "
+                         "(idle_wait.idle_step_wait; 0 = poll every step, as before that wait covered READs)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="nixl_read_chunk_mib (DRAM without worker threads only; 0 = one post)")
     sections = ["main", "layout", "ckpt", "stall", "knobs", "first", "perdesc", "tcp"]
     ap.add_argument("--sections", nargs="+", choices=sections,
@@ -168,6 +171,7 @@ def main(argv=None) -> int:
     from benchmarks.transfer_plot import plot
 
     args = parse_args(argv)
+    paths.IDLE_WAIT_S = args.idle_step_wait_ms / 1000
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2

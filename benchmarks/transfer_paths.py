@@ -26,10 +26,15 @@ import time
 import numpy as np
 import torch
 
+from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.idle_wait import idle_step_wait
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead, NixlTransport
 
 KEY = "bench-p"
 POLL_S = 0.0002
+# The connector path waits between polls as an idle engine step does (idle_wait.idle_step_wait);
+# 0 (``--idle-step-wait-ms 0``) polls every POLL_S, as D did before that wait covered READs.
+IDLE_WAIT_S = ConnectorSettings().idle_step_wait_ms / 1000
 MISSING_NOTIFS: list[int] = []
 
 
@@ -66,9 +71,9 @@ def drain(p_t: NixlTransport, want: int = 1, timeout_s: float = 10.0) -> int:
 
 
 def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, key: str = KEY) -> dict:
-    """receiver.py's per-request path, back to back (an idle engine: a step per slice), timed
-    end to end; ``post`` = the longest single call into NIXL, i.e. the longest stall of D's
-    engine thread."""
+    """receiver.py's per-request path, back to back (an idle engine: a step per slice, each
+    POLL_S plus the idle step's wait, ``IDLE_WAIT_S``), timed end to end; ``post`` = the longest
+    single call into NIXL, i.e. the longest stall of D's engine thread."""
     t0 = time.perf_counter()
     xfer = ChunkedRead(d_t, key, d_t.planner(key).plan(pairs, chunk_bytes), notif)
     t1 = time.perf_counter()
@@ -85,7 +90,7 @@ def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, ke
         if xfer.next == posted:  # nothing posted: the slice in flight is still running
             if time.perf_counter() > deadline:
                 raise RuntimeError("connector READ timed out")
-            time.sleep(POLL_S)
+            time.sleep(POLL_S + idle_step_wait(True, IDLE_WAIT_S, 0, True, [xfer.in_nixl_for(time.monotonic())]))
     t2 = time.perf_counter()
     return {"total": t2 - t0, "plan": t1 - t0, "post": longest, "slices": xfer.slices}
 

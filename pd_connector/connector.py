@@ -28,6 +28,8 @@ from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.from_vllm.refusals import check_supported
 
 if TYPE_CHECKING:
+    from pd_connector.engine.scheduler import SchedulerSide
+    from pd_connector.engine.worker import WorkerSide
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -49,17 +51,26 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             # connector (Scheduler.__init__): our default is to recompute, never to fail or
             # return text computed on a bad state.
             kv_transfer.kv_load_failure_policy = self.settings.load_failure_policy
-            from pd_connector.engine.scheduler import SchedulerSide
-
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+            self._scheduler = self.make_scheduler_side(vllm_config, kv_cache_config)
         else:
             from pd_connector.transport.backends import check_backends
-            from pd_connector.engine.worker import WorkerSide
 
             # Before any NIXL agent or socket exists: NIXL itself only warns about a missing
             # plugin and every transfer would fail later.
             check_backends(self.settings.nixl_backends)
-            self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
+            self._worker = self.make_worker_side(vllm_config, kv_cache_config)
+
+    # Each role imports only its own side. A subclass may return its own side classes.
+
+    def make_scheduler_side(self, vllm_config: Any, kv_cache_config: Any) -> "SchedulerSide":
+        from pd_connector.engine.scheduler import SchedulerSide
+
+        return SchedulerSide(vllm_config, kv_cache_config, self.settings)
+
+    def make_worker_side(self, vllm_config: Any, kv_cache_config: Any) -> "WorkerSide":
+        from pd_connector.engine.worker import WorkerSide
+
+        return WorkerSide(vllm_config, kv_cache_config, self.settings)
 
     # -- scheduler side --------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from rig.ports import free_ports
 from rig.servers import VllmServer, source_checkout_env, start_many
 from rig.spec_matrix import SETUPS, SPEC_EXTRA_CONFIG, SpecInstance, handoff
 from rig.stack import kv_transfer_config, tp_args
-from pd_connector.engine import faults
 
 DIRECTIONS = ("p_blocks_smaller", "p_blocks_larger")
 
@@ -32,16 +31,16 @@ def block_size_pair(
 ):
     """(small, large) started instances with attention blocks ``blocks`` at TP sizes ``tp``
     (the blocks checked against what vLLM reports: its hybrid alignment may raise a requested
-    size), each honouring the fault switch of the negative controls (inert unless asked)."""
+    size), each the rig's FaultInjectingConnector for the negative controls (inert unless asked)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = []
     for (bind, bind_env), block, size, name in zip(cpu_binds(list(tp)), blocks, tp, ("small", "large")):
-        config = kv_transfer_config("kv_both", free_ports(size), "cpu", **SPEC_EXTRA_CONFIG)
+        config = kv_transfer_config("kv_both", free_ports(size), "cpu", faults=True, **SPEC_EXTRA_CONFIG)
         servers.append(
             VllmServer(
                 model, dtype=dtype, max_model_len=max_model_len,
                 extra_args=[*flags, "--block-size", str(block), *tp_args(size), "--kv-transfer-config", config],
-                env={**source_checkout_env(), **bind_env, faults.ENV: "1"},
+                env={**source_checkout_env(), **bind_env},
                 omp_threads_bind=bind, log_path=log_dir / f"{name}.log",
             )  # fmt: skip
         )

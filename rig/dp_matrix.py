@@ -92,15 +92,17 @@ def make_instances(
     per_instance_args: dict[str, Sequence[str]] | None = None,
     extra_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    faults: bool = False,
 ) -> dict[str, DPInstance]:
     """Unstarted kv_both instances, ``name -> (dp, tp)``; each takes ``dp * tp`` consecutive
-    side-channel ports."""
+    side-channel ports. ``faults``: the rig's FaultInjectingConnector (rig/faults.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     binds = cpu_binds([dp * tp for dp, tp in shapes.values()])
     for (bind, bind_env), (name, (dp, tp)) in zip(binds, shapes.items()):
         base = free_ports(dp * tp)
-        config = kv_transfer_config("kv_both", base, "cpu", **{**DP_EXTRA_CONFIG, **(extra_config or {})})
+        extra = {**DP_EXTRA_CONFIG, **(extra_config or {})}
+        config = kv_transfer_config("kv_both", base, "cpu", faults=faults, **extra)
         dp_args = ["--data-parallel-size", str(dp)] if dp > 1 else []
         server = VllmServer(
             model,

@@ -88,3 +88,22 @@ def by_group(stored: set[tuple[int | None, object]]) -> dict[int | None, int]:
     for group, _ in stored:
         out[group] = out.get(group, 0) + 1
     return out
+
+
+STACK_ROLES = ("baseline", "prefill", "decode")
+
+
+def publish_from_stack(config) -> dict[str, int]:
+    """Make a ``stack.StackConfig``'s baseline, P and D publish their KV events, each to a port of
+    its own, hashing alike (``HASH_ENV``): edits ``config`` in place and returns role -> port,
+    where a ``KvEvents`` collector binds. Same servers, two more flags each: no extra start."""
+    from rig.ports import free_port
+
+    ports = {role: free_port() for role in STACK_ROLES}
+    config.baseline_args = [*config.baseline_args, *kv_events_args(ports["baseline"])]
+    config.prefill_args = [*config.prefill_args, *kv_events_args(ports["prefill"])]
+    config.decode_args = [*config.decode_args, *kv_events_args(ports["decode"])]
+    config.baseline_env = {**HASH_ENV, **config.baseline_env}
+    config.prefill_env = {**HASH_ENV, **config.prefill_env}
+    config.decode_env = {**HASH_ENV, **config.decode_env}
+    return ports

@@ -16,6 +16,7 @@ from vllm.config import (
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -37,6 +38,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from rig.faults import FAULT_CONNECTOR
 
 EOS = 2
 BLOCK = 16
@@ -67,6 +70,8 @@ def make_scheduler(
     tp_size: int = 1,
     mamba_exports_checkpoints: bool = False,
     cache_block_size: int | None = None,
+    faults: bool = False,
+    kv_events: bool = False,
 ) -> Scheduler:
     """``block_size``: every group's (the attention groups' and, unless ``mamba_block_size``
     is given, the Mamba groups'). vLLM itself gives a real hybrid an attention block size of
@@ -85,7 +90,8 @@ def make_scheduler(
     backend writes prefill checkpoints inside a chunk, as vLLM's Mamba2 mixer declares
     (``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``). ``cache_block_size``:
     ``cache_config.block_size`` when it differs from the groups' (vLLM CPU's API server keeps
-    128 there under a hybrid's 640-token blocks; the scheduler ends prefill chunks on it)."""
+    128 there under a hybrid's 640-token blocks; the scheduler ends prefill chunks on it).
+    ``faults``: the connector is the rig's FaultInjectingConnector (rig/faults.py's keys)."""
     mamba_block_size = mamba_block_size or block_size
     model_config = ModelConfig(model=model_dir, dtype="float16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
@@ -105,9 +111,9 @@ def make_scheduler(
         prefix_cache_retention_interval=retention_interval,
     )
     cache_config.kv_cache_layout = "LBHNC"
+    connector = {"kv_connector": "PDConnector", "kv_connector_module_path": "pd_connector.connector"}
     kv_transfer_config = KVTransferConfig(
-        kv_connector="PDConnector",
-        kv_connector_module_path="pd_connector.connector",
+        **(FAULT_CONNECTOR if faults else connector),
         kv_role=role,
         kv_buffer_device="cpu",
         kv_connector_extra_config=extra_config or {},
@@ -126,6 +132,9 @@ def make_scheduler(
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
         attention_config=AttentionConfig(backend=None),
+        # kv_events: the block pool queues KV events and each step hands them to the publisher
+        # ("null" here: a test swaps in a collector, tests/vllm/test_kv_events_mtp.py).
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
     specs = []
     for i, kind in enumerate(groups):

@@ -169,8 +169,8 @@ def caught_desyncs(
     """Negative control: per prompt, whether the oracle (``same(reference, candidate)``, the bf16
     rule by default) catches D resuming one token early on the state P computed for its offset
     (what a P/D pair backing off differently does). ``reference(prompt)`` is D's aggregated
-    output. Needs PD_CONNECTOR_FAULT_INJECTION=1 on D."""
-    from pd_connector.engine.faults import RESUME_SHIFT
+    output. Needs D to run the rig's FaultInjectingConnector (``InstanceSpec.faults``)."""
+    from rig.faults import RESUME_SHIFT
 
     from rig.oracle import CompletionError
 
@@ -208,13 +208,15 @@ class InstanceSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     kv_connector: str = "PDConnector"
+    # PDConnector's instances load the rig's FaultInjectingConnector (rig/faults.py) instead.
+    faults: bool = False
 
 
 def kv_both_config(spec: InstanceSpec) -> str:
     if spec.kv_connector == "PDConnector":
         from rig.stack import kv_transfer_config
 
-        return kv_transfer_config("kv_both", free_port(), "cpu", **spec.extra_config)
+        return kv_transfer_config("kv_both", free_port(), "cpu", faults=spec.faults, **spec.extra_config)
     return json.dumps(
         {"kv_connector": spec.kv_connector, "kv_role": "kv_both", "kv_buffer_device": "cpu", **spec.extra_config}
     )

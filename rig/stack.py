@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pd_connector.core.params import PREFILL_REQUEST_PARAMS
+from rig.faults import FAULT_CONNECTOR
 from rig.cpu_matrix import WARM_UP_SEED, random_prompt
 from rig.oracle import Completion, complete
 from rig.placement import cpu_binds
@@ -23,13 +24,20 @@ from rig.servers import VllmServer, source_checkout_env, start_many
 
 
 def kv_transfer_config(
-    role: str, side_channel_port: int, device: str = "cpu", engine_id: str | None = None, **extra: Any
+    role: str,
+    side_channel_port: int,
+    device: str = "cpu",
+    engine_id: str | None = None,
+    faults: bool = False,
+    **extra: Any,
 ) -> str:
     """``engine_id``: pinned (vLLM's default is a new uuid per start), e.g. for a P restarted
-    under the same identity."""
+    under the same identity. ``faults``: load the rig's FaultInjectingConnector, which honours
+    the negative controls' keys (rig/faults.py), instead of PDConnector."""
     config = {
         "kv_connector": "PDConnector",
         "kv_connector_module_path": "pd_connector.connector",
+        **(FAULT_CONNECTOR if faults else {}),
         "kv_role": role,
         "kv_buffer_device": device,
         "kv_connector_extra_config": {"side_channel_port": side_channel_port, **extra},
@@ -62,6 +70,9 @@ class StackConfig:
     baseline_env: dict[str, str] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)
+    # D loads the rig's FaultInjectingConnector (the negative controls' faults, inert unless a
+    # request asks: rig/faults.py).
+    decode_faults: bool = False
     with_baseline: bool = True
     with_proxy: bool = True
     # Extra `pd-connector proxy` arguments (e.g. --decode-min-recompute K).
@@ -136,7 +147,9 @@ class PDStack:
                 *tp_args(config.decode_tp),
                 *config.decode_args,
                 "--kv-transfer-config",
-                kv_transfer_config("kv_consumer", free_port(), config.device, **config.extra_config),
+                kv_transfer_config(
+                    "kv_consumer", free_port(), config.device, faults=config.decode_faults, **config.extra_config
+                ),
             ],
             env={**env, **binds["decode"][1], **config.decode_env},
             omp_threads_bind=binds["decode"][0],

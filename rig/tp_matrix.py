@@ -69,13 +69,16 @@ def make_instances(
     extra_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     names: Sequence[str] | None = None,
+    faults: bool = False,
 ) -> dict:
     """Unstarted kv_both instances, one per TP size (side channels on consecutive ports), keyed
-    by their TP size or, where several share one, by ``names``."""
+    by their TP size or, where several share one, by ``names``. ``faults``: the rig's
+    FaultInjectingConnector (rig/faults.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     for (bind, bind_env), tp, name in zip(cpu_binds(list(sizes)), sizes, names or sizes):
-        config = kv_transfer_config("kv_both", free_ports(tp), "cpu", **{**TP_EXTRA_CONFIG, **(extra_config or {})})
+        extra = {**TP_EXTRA_CONFIG, **(extra_config or {})}
+        config = kv_transfer_config("kv_both", free_ports(tp), "cpu", faults=faults, **extra)
         server = VllmServer(
             model,
             dtype=dtype,

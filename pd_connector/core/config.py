@@ -72,7 +72,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # vLLM keeps stepping, with nothing scheduled, as long as P holds a lease or D waits for a
     # load (Scheduler.has_requests): a busy loop of the engine core and the worker. In such an
     # empty step the worker waits up to this long for the side channel to bring news (woken at
-    # once by a claim, release or handshake reply). 0: never wait (vLLM's own behaviour).
+    # once by a claim, release or handshake reply), and, with a READ whose slices are all posted,
+    # a fraction of its time in flight (core/idle_wait.py). 0: never wait (vLLM's own behaviour).
     idle_step_wait_ms: float = 2.0
     # With nixl_num_threads 0 over DRAM, D posts a READ in slices of at most this many MiB, one
     # per engine-step hook, because UCX then copies inside the post call (it would block D's

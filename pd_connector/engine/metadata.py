@@ -43,8 +43,6 @@ class RecvTask(msgspec.Struct):
     # What D claims from P before reading (P's offset and the block ids P sent).
     replay_offset: int = 0
     remote_block_ids: list[list[int]] | None = None
-    # Test-only: engine/faults.py CORRUPT_STATE (False unless fault injection is on).
-    corrupt_state: bool = False
     # The prompt fingerprint D verified against its own prompt; the claim carries it.
     fingerprint: str = ""
     # Prompt checkpoints D reads in the same READ: the claimed states (P's blocks) and, per

@@ -43,6 +43,9 @@ def trust_from_settings(settings: ConnectorSettings) -> trust.Trust:
 
 
 class SchedulerSide:
+    # D's half; a connector subclass may substitute its own (engine/decode/scheduler.py's seams).
+    decode_scheduler_class = DecodeScheduler
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
         self.engine_id = vllm_config.kv_transfer_config.engine_id
@@ -68,7 +71,7 @@ class SchedulerSide:
             side_channel_port=ranks.engine_base_port(settings.side_channel_port, self.dp_index, tp_size),
             checkpoint_pool=self.checkpoints,
         )
-        self.decode = DecodeScheduler(
+        self.decode = self.decode_scheduler_class(
             settings,
             self.profile,
             self.layouts,

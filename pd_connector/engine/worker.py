@@ -19,14 +19,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from pd_connector.core import ranks
 from pd_connector.core.config import ConnectorSettings, UnsupportedConfig
-from pd_connector.core.idle_wait import idle_wait_seconds, should_wait_for_news
+from pd_connector.core.idle_wait import idle_step_wait, idle_wait_seconds
 from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
 from pd_connector.engine.from_vllm.config import dp_placement, tp_rank_and_size
 from pd_connector.engine.from_vllm.engine_compat import engine_compat
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
 from pd_connector.engine.state_digest import StateDigester
-from pd_connector.engine import faults
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import PDStats, Recorder
 from pd_connector.engine.decode.receiver import Receiver
@@ -39,6 +38,9 @@ logger = logging.getLogger("vllm.pd_connector")
 
 
 class WorkerSide:
+    # D's load pipeline on this rank; a connector subclass may substitute its own (``make_receiver``).
+    receiver_class = Receiver
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
         self.settings = settings
         self.vllm_config = vllm_config
@@ -77,14 +79,11 @@ class WorkerSide:
             ucx_error_handling=self.settings.nixl_ucx_error_handling,
         )
         self.transport.register(allocations, regions)
-        digest = corrupt = None
-        # Page views only where something reads them: the digest, or the test-only corrupter
-        # (with the digest off too: the negative controls corrupt what D keeps and serves).
-        if self.mamba_groups and (self.settings.verify_state_digest or faults.enabled()):
+        digest = None
+        # Page views only where something reads them: the digest of the recurrent state.
+        if self.mamba_groups and self.settings.verify_state_digest:
             digester = StateDigester(kv_caches, regions)
-            if self.settings.verify_state_digest:
-                digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
-            corrupt = faults.state_corrupter(lambda blocks: digester.pages(blocks, self.mamba_groups))
+            digest = lambda blocks: digester.digest(blocks, self.mamba_groups)  # noqa: E731
         logger.info(
             "pd_connector worker: DP rank %d, TP rank %d/%d registered %d layer(s) in %d allocation(s) as %s memory",
             self.dp_index,
@@ -94,17 +93,7 @@ class WorkerSide:
             len(allocations),
             self.mem_type,
         )
-        self.receiver = Receiver(
-            self.transport,
-            self.settings,
-            self.engine_id,
-            self.compat,
-            digest,
-            corrupt,
-            wake=self._wake,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-        )
+        self.receiver = self.make_receiver(kv_caches, regions, digest)
         if self.is_producer:
             welcome = Welcome(
                 engine_id=self.engine_id,
@@ -116,6 +105,20 @@ class WorkerSide:
                 tp_size=self.tp_size,
             )
             self.sender = self._start_sender(welcome, digest)
+
+    def make_receiver(self, kv_caches: dict[str, Any], regions: Any, digest: Any) -> Receiver:
+        """This rank's ``receiver_class``; ``kv_caches`` and ``regions`` (its registered pages)
+        are for a subclass whose receiver reads them."""
+        return self.receiver_class(
+            self.transport,
+            self.settings,
+            self.engine_id,
+            self.compat,
+            digest,
+            wake=self._wake,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
 
     def _start_sender(self, welcome: Welcome, digest: Any) -> Sender:
         """P's side channel for this (DP, TP) rank, on its port of core/ranks.py's scheme; a port
@@ -147,18 +150,19 @@ class WorkerSide:
 
     def _wait_if_idle(self) -> None:
         """In a step that scheduled nothing, wait (bounded) for side-channel news instead of
-        returning at once; when, see ``idle_wait.should_wait_for_news``."""
+        returning at once; how long, see ``idle_wait.idle_step_wait`` (READs in flight included)."""
         if not self._idle_step:
             return  # the common case, decided without the lease lock (a step that did work)
         receiver = self.receiver
-        if should_wait_for_news(
+        wait = idle_step_wait(
             self._idle_step,
             self._idle_wait_s,
-            reading=receiver is not None and receiver.reading(),
             leases_held=self.sender.held() if self.sender is not None else 0,
             loads_pending=receiver is not None and receiver.pending() > 0,
-        ):
-            self._wake.wait(self._idle_wait_s)
+            reads=receiver.reads_in_nixl() if receiver is not None else (),
+        )
+        if wait > 0:
+            self._wake.wait(wait)
             self._wake.clear()  # whatever set it is polled right below
 
     def get_transfer_results(self) -> KVConnectorTransferResults:

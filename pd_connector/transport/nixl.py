@@ -314,6 +314,7 @@ class ChunkedRead:
         self.bounds = list(plan.bounds) or [(0, int(plan.local_idx.size))]
         self.next = 0  # index of the next slice to post
         self.handle = None
+        self.posted_at = 0.0  # time.monotonic() when the slice in flight was posted
         self.error = ""
         self.error_kind = ""  # "post" (NIXL refused a slice) or "nixl" (a slice failed)
 
@@ -346,8 +347,14 @@ class ChunkedRead:
         except Exception as exc:
             self.error, self.error_kind = f"posting the READ failed: {exc}", "post"
             return FAILED
+        self.posted_at = time.monotonic()
         self.next += 1
         return PENDING
+
+    def in_nixl_for(self, now: float) -> float | None:
+        """How long the slice in flight has been in NIXL's hands (its copy is NIXL's progress
+        and worker threads' to make), or None when the next slice is due to be posted here."""
+        return None if self.handle is None else max(0.0, now - self.posted_at)
 
     def close(self) -> None:
         if self.handle is not None:

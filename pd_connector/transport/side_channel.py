@@ -11,6 +11,9 @@ replies need not be in order) and keeps serving everyone else; it asks the ``Def
 whenever ``kick()`` is called (P's engine thread, after granting leases) and sends its timeout
 reply at the deadline. So D's claim that overtook its lease is granted the moment the lease
 lands, instead of at D's next retry.
+
+The threads every message passes through (the serving thread and libzmq's I/O threads, on both
+sides) run at the lowest real-time priority where the host allows it: see ``prefer_thread``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ _PARKED_POLL_S = 0.05
 # long on one answer, is logged: a peer's call waited that long (tests/e2e saw D's claims go
 # unanswered for 20 s on a loaded host; the log says on which side the time went).
 STALL_WARN_S = 5.0
+# How long a new context's libzmq threads get to name themselves (they are found by name).
+_ZMQ_THREADS_NAMED_S = 1.0
 # More parked requests than this (a flood, or a peer asking about ids P never leased) get their
 # timeout answer at once: parking is an optimisation, never a place to pile up memory.
 MAX_PARKED = 4096
@@ -65,6 +70,53 @@ MAX_PARKED = 4096
 
 class SideChannelError(RuntimeError):
     pass
+
+
+def prefer_thread(tid: int = 0) -> bool:
+    """Run thread ``tid`` (0: the calling one) under SCHED_RR at the lowest real-time priority,
+    where the host allows it (root, CAP_SYS_NICE or RLIMIT_RTPRIO); False, and nothing changed,
+    where not. Why: a message waits on libzmq's I/O thread and the serving thread of each side,
+    and with more runnable threads than cores those waited 0.1-0.7 s per message for a core
+    (docs/operations.md, "The side channel's own threads"), while vLLM's stepping engines spin on
+    sched_yield (``SpinCondition``, vllm/distributed/device_communicators/shm_broadcast.py),
+    which yields nothing to other processes' scheduling groups. These threads block in poll and
+    work microseconds per message: a real-time class takes no core from anyone."""
+    try:
+        policy = os.SCHED_RR
+        os.sched_setscheduler(tid, policy, os.sched_param(os.sched_get_priority_min(policy)))
+    except (AttributeError, OSError):  # not Linux, or not permitted: stay a normal thread
+        return False
+    return True
+
+
+def _zmq_threads() -> set[int]:
+    """This process's libzmq background threads (I/O and reaper), by their names."""
+    out = set()
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ZMQbg/"):
+                    out.add(int(tid))
+        except OSError:
+            pass  # the thread ended meanwhile
+    return out
+
+
+def _started_context(kind: int) -> tuple[zmq.Context, zmq.Socket]:
+    """A context of our own and its first socket (libzmq starts the context's I/O threads and
+    its reaper with its first socket), those threads raised with ``prefer_thread``. libzmq's own
+    ZMQ_THREAD_SCHED_POLICY aborts the process where the policy is not permitted, hence this.
+    A libzmq thread names itself once it first runs (``thread_t``): wait for that, briefly."""
+    before = _zmq_threads()
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    started, deadline = set(), time.monotonic() + _ZMQ_THREADS_NAMED_S
+    while len(started) < ctx.get(zmq.IO_THREADS) + 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+        started = _zmq_threads() - before
+    for tid in started:
+        prefer_thread(tid)
+    return ctx, sock
 
 
 _SOCKET_LIMIT = MAX_MESSAGE_BYTES + (1 << 20)
@@ -109,8 +161,7 @@ class SideChannelServer:
     def __init__(self, host: str, port: int, handler: Handler, secret: bytes = b""):
         self._handler = handler
         self._secret = secret
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._ctx, self._sock = _started_context(zmq.ROUTER)
         # libzmq drops a peer whose frame exceeds MAXMSGSIZE without a word; leave headroom so
         # our decoder sees the frame and answers "oversized" instead (still bounded memory).
         self._sock.setsockopt(zmq.MAXMSGSIZE, _SOCKET_LIMIT)
@@ -139,8 +190,20 @@ class SideChannelServer:
         self._closed = False
         self._parked: list[tuple[bytes, Deferred]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
+        # Whether the serving thread runs at a real-time priority (prefer_thread): ``preferred()``.
+        self._preferred = False
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-side-channel", daemon=True)
         self._thread.start()
+
+    def preferred(self, timeout: float = 1.0) -> bool:
+        """Whether the serving thread runs at a real-time priority (``prefer_thread``)."""
+        return self._started.wait(timeout) and self._preferred
+
+    def _run(self) -> None:
+        self._preferred = prefer_thread()
+        self._started.set()
+        self._serve()
 
     def kick(self) -> None:
         """Re-poll parked requests now (any thread)."""
@@ -251,8 +314,24 @@ class SideChannelServer:
                 os.close(fd)
 
 
+_client_context: zmq.Context | None = None
+_client_context_lock = threading.Lock()
+
+
+def _client_socket() -> zmq.Socket:
+    """A REQ socket on the context D's calls share, made once with its I/O thread preferred
+    (``_started_context``): a reply is moved off the wire by that thread before the caller's
+    poll times out, so a starved one reads as P not answering."""
+    global _client_context
+    with _client_context_lock:
+        if _client_context is None:
+            _client_context, first = _started_context(zmq.REQ)
+            return first
+    return _client_context.socket(zmq.REQ)
+
+
 def _req_socket(host: str, port: int) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock = _client_socket()
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, _SOCKET_LIMIT)
     if ":" in host:

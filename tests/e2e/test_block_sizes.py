@@ -9,7 +9,7 @@ sub-block by sub-block. Per direction and prompt
 length (on, around and across both block sizes): P's offset is N - 1, D's own
 ``vllm:prompt_tokens_by_source`` shows R tokens from P and N - R computed, and D's output equals
 its own aggregated serving token for token. Negative control: D resuming one token early on P's
-state (fault switch) must fail that comparison on most prompts.
+state (rig/fault_connector.py) must fail that comparison on most prompts.
 """
 
 from __future__ import annotations

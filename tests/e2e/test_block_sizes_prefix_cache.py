@@ -10,7 +10,7 @@ replay offset"), D's ``vllm:prompt_tokens_by_source`` shows R tokens from P and 
 ``spec_matrix.check_bf16``, in its own ``cache_salt`` namespace), and a second turn served by D
 hits its prefix cache at least as far as an aggregated conversation on D does (not vacuous: at
 N = B_D + 1 that conversation hits B_D, and at 2*640 + 20 a checkpoint below R that P hands
-over). Negative control: D resuming one token early (fault switch) fails the output check.
+over). Negative control: D resuming one token early (rig/fault_connector.py) fails the output check.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import pytest
 
 from rig.cpu_matrix import DP_MODELS, random_prompt
 from rig.tiny_models import build_model
-from pd_connector.engine.faults import RESUME_SHIFT
+from rig.faults import RESUME_SHIFT
 from rig.dp_matrix import engines, make_instances, running, warm_up
 from rig.router import VllmRouter, router_binary
 
@@ -46,7 +46,7 @@ def dp(request, tmp_path_factory):
         shapes,
         server_args=flags,
         per_instance_args=per_instance,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
+        faults=True,  # the rig's FaultInjectingConnector: inert unless a request asks
     )
     with running(instances):
         warm_up(instances)

@@ -49,7 +49,7 @@ def eagle(models_root, artifacts):
         model=str(build_model("qwen3_next_mtp", models_root)),
         log_dir=artifacts / "eagle",
         extra_config=SPEC_EXTRA_CONFIG,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
+        faults=True,  # the rig's FaultInjectingConnector: inert unless a request asks
     )
     insts = make_instances(spec, setups)
     with running(insts):

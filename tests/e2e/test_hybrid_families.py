@@ -19,7 +19,7 @@ import pytest
 
 from rig.cpu_matrix import REQUESTED_BLOCK, random_prompt
 from rig.tiny_models import build_model
-from pd_connector.engine.faults import RESUME_SHIFT
+from rig.faults import RESUME_SHIFT
 from rig.tp_matrix import make_instances, running, warm_up
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def family(request, tmp_path_factory):
     model = build_model(kind, tmp_path_factory.getbasetemp() / "models")
     instances = make_instances(
         model, tmp_path_factory.mktemp(f"family-{kind}"), sizes=sizes, server_args=FLAGS, names=names,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},  # inert unless a request asks (negative control)
+        faults=True,  # the rig's FaultInjectingConnector: inert unless a request asks (negative control)
     )  # fmt: skip
     with running(instances):
         warm_up(instances)

@@ -43,7 +43,7 @@ from rig.oracle import complete
 from rig.spec_matrix import SPEC_EXTRA_CONFIG, InstanceSpec, handoff, make_instances, running
 from rig.spec_matrix import check_bf16 as check
 from rig.tiny_models import build_model
-from pd_connector.engine import faults
+from rig import faults
 from rig.ports import free_port
 from rig.kv_events import HASH_ENV, KvEvents, by_group, kv_events_args
 from rig.router import VllmRouter, router_binary
@@ -75,9 +75,9 @@ def pair(models_root, artifacts, events_ports):
     # with B as P and A as D.
     a = make_instances(dataclasses.replace(spec, extra_config={**SPEC_EXTRA_CONFIG, "max_checkpoint_recompute": 0}), ["off"])
     # B on the other core: two instances pinned to one core starve each other (cpu_binds). B
-    # takes the fault switch for the negative control (inert unless a request asks).
+    # runs the rig's FaultInjectingConnector for the negative controls (inert unless asked).
     b_spec = dataclasses.replace(
-        spec, log_dir=artifacts / "multiturn-d", env={**HASH_ENV, faults.ENV: "1"},
+        spec, log_dir=artifacts / "multiturn-d", faults=True,
         server_args=("--enable-prefix-caching", *kv_events_args(events_ports[1])),
     )
     b = make_instances(b_spec, ["off"], first_core=1)
@@ -121,7 +121,7 @@ def test_turn_two_served_by_d_resumes_on_the_checkpoint_it_received(pair, corrup
     """D serves turn 2 itself from the recurrent state it received at the checkpoint k*B (its
     prefix-cache hit), and answers as aggregated serving does. The turn-2 handoff above cannot
     show that (P's state at its own offset replaces D's cached one). Negative control: the
-    state corrupted on arrival (the fault switch flips every byte of each state page, conv and
+    state corrupted on arrival (rig/fault_connector.py flips every byte of each state page, conv and
     SSM), so D's prefix cache holds a wrong state at k*B: turn 1, decoded one token past it,
     must differ from aggregated serving (the fault fired), and so must turn 2. (Turn 1 resumed
     one token early on P's state is no such control: D's cache still holds P's state at k*B,
@@ -270,7 +270,7 @@ def test_turn_two_on_d_resumes_on_the_checkpoint_below_the_offset(pair, withheld
     """N = 2B + 20 (1300 at B = 640): R = N - 1 lies above aggregated serving's checkpoint 2B,
     which P hands over besides the state at R. D serves turn 2 itself from it (a hit of 2B) and answers as
     aggregated serving does. Negative control: the same handoff with the checkpoint withheld
-    (D places none, the fault switch): the rest loads, and D's turn-2 hit falls below 2B."""
+    (D places none: rig/fault_connector.py): the rest loads, and D's turn-2 hit falls below 2B."""
     a, b = pair
     block = int(b.server.cache_config()["block_size"])
     n = 2 * block + 20

@@ -12,7 +12,7 @@ import pytest
 from pd_connector.core.fingerprint import fingerprint
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from rig.cpu_matrix import ATTENTION_BLOCK, E2E_SECRET, HYBRIDS, boundary_lengths, random_prompt
-from pd_connector.engine.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
+from rig.faults import CORRUPT_STATE, RESUME_SHIFT, SKIP_PROMPT_CHECK
 from rig.oracle import compare
 
 pytestmark = pytest.mark.e2e
@@ -80,8 +80,8 @@ def test_concurrent_batch_through_proxy_matches_aggregated(stack):
 def test_desynced_offset_is_caught_by_the_oracle(stack):
     """Negative control: D resumes one token early on a state P computed for R (a phantom
     token, what vLLM does when P and D derive different backoffs). Editing the params cannot do
-    this any more (P refuses the claim), so D's test-only fault injection forces it; the
-    comparison must fail."""
+    this any more (P refuses the claim), so D's connector (rig/fault_connector.py) forces it;
+    the comparison must fail."""
     if stack.kind not in HYBRIDS:
         pytest.skip("attention-only models recompute a token's KV identically: no desync")
     caught = 0
@@ -95,8 +95,8 @@ def test_desynced_offset_is_caught_by_the_oracle(stack):
 
 
 def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
-    """With verify_state_digest on, a state page corrupted after the READ (test-only fault
-    injection on D) fails the digest check and D recomputes: aggregated output, counted."""
+    """With verify_state_digest on, a state page corrupted after the READ (the rig's fault
+    connector on D) fails the digest check and D recomputes: aggregated output, counted."""
     if "verify_state_digest" not in stack.config.extra_config:
         pytest.skip("the digest runs on the hybrid stack configured with it")
     prompt = random_prompt(90, seed=10)
@@ -109,7 +109,7 @@ def test_corrupted_recurrent_state_is_detected_by_the_digest(stack):
 
 def test_params_of_another_prompt_are_caught_by_the_oracle(stack):
     """Negative control for every model: D loads KV/state of a different prompt of the same
-    length (D's prompt fingerprint check skipped by the test-only fault switch, as before the
+    length (D's prompt fingerprint check skipped by the rig's fault connector, as before the
     check existed)."""
     caught = 0
     lengths = (33, 64, 100, 129, 200)

@@ -22,7 +22,7 @@ from rig.cpu_matrix import TP_MODELS, boundary_lengths, random_prompt
 from rig.oracle import compare
 from rig.spec_matrix import BF16_LOGPROB_TOL, BF16_TIE_MARGIN
 from rig.tiny_models import build_model
-from pd_connector.engine.faults import RESUME_SHIFT
+from rig.faults import RESUME_SHIFT
 from rig.tp_matrix import make_instances, running, warm_up
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +43,7 @@ def tp(request, tmp_path_factory):
         tmp_path_factory.mktemp(f"tp-{kind}"),
         dtype=dtype,
         server_args=flags,
-        env={"PD_CONNECTOR_FAULT_INJECTION": "1"},
+        faults=True,  # the rig's FaultInjectingConnector: inert unless a request asks
     )
     with running(instances):
         warm_up(instances)

@@ -23,7 +23,7 @@ from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_T
 from rig.cpu_matrix import ATTENTION_BLOCK, random_prompt
 from rig.oracle import Completion, compare
 from rig.prometheus import parse_metric
-from pd_connector.engine import faults
+from rig import faults
 
 pytestmark = pytest.mark.e2e
 

@@ -2,9 +2,10 @@
 NIXL READs, with its buffers on the test device (``PD_TEST_DEVICE``; CUDA tensors on a GPU):
 P's SHA-256 of the state pages it sends equals D's of the pages it received (between engines
 of different speculative widths too: only the conv state has speculative rows); D's page views
-alias the registered memory, so the fault injector's page flip lands in it and changes the
-digest; and through the production Sender and Receiver a handoff whose state D corrupted fails
-the load, one that D left alone loads.
+alias the registered memory, so the rig's state corruption (rig/fault_receiver.py) lands in it
+and changes the digest; and through the production Sender and the rig's Receiver subclass (the
+production one, flipping a marked task's state as it lands) a handoff whose state D corrupted
+fails the load, one that D left alone loads.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from rig import devices
-from pd_connector.engine import faults
+from rig.fault_receiver import StateCorruptingReceiver, corrupted, flip_pages
 from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
@@ -57,7 +58,7 @@ def pair():
     p.transport.close()
 
 
-def test_d_digest_of_the_state_it_read_is_p_digest_and_a_flipped_page_changes_it(pair, monkeypatch):
+def test_d_digest_of_the_state_it_read_is_p_digest_and_a_flipped_page_changes_it(pair):
     p, d = pair
     p_dig, d_dig = digester(p), digester(d)
     sent = p_dig.digest(blocks(PAIRS, 0), [MAMBA])
@@ -69,11 +70,9 @@ def test_d_digest_of_the_state_it_read_is_p_digest_and_a_flipped_page_changes_it
     # Attention pages are not hashed: changing one leaves the state digest alone.
     next(d_dig.pages(blocks(PAIRS, 1), [ATTN])).bitwise_xor_(0xFF)
     assert d_dig.digest(blocks(PAIRS, 1), [MAMBA]) == sent
-    # The fault injector's flip, through the same views, lands in D's registered memory.
-    monkeypatch.setenv(faults.ENV, "1")
-    corrupt = faults.state_corrupter(lambda b: d_dig.pages(b, [MAMBA]))
+    # The rig's flip, through the same views, lands in D's registered memory.
     before = d.mem.copy()
-    corrupt(blocks(PAIRS, 1))
+    flip_pages(lambda b: d_dig.pages(b, [MAMBA]), blocks(PAIRS, 1))
     devices.sync()
     assert (d.mem != before).sum() == len(PAIRS[MAMBA]) * len(MAMBA_LAYERS) * d.placement.page[MAMBA]
     assert d_dig.digest(blocks(PAIRS, 1), [MAMBA]) != sent
@@ -109,20 +108,20 @@ def test_digest_matches_across_speculative_widths_after_the_read():
         p.transport.close()
 
 
-def handoff(p, d, port: int, corrupt: bool, monkeypatch) -> tuple[set[str], dict[str, str], Receiver]:
+def handoff(p, d, port: int, corrupt: bool) -> tuple[set[str], dict[str, str], Receiver]:
     """One handoff through the production Sender (P's digest in the grant) and Receiver (D's
-    check), D corrupting what it read when ``corrupt`` (faults.CORRUPT_STATE's path)."""
-    monkeypatch.setenv(faults.ENV, "1")
+    check; the rig's subclass), D corrupting what it read when ``corrupt`` (CORRUPT_STATE's
+    path: rig/fault_connector.py marks the task, the receiver flips its state)."""
     p_dig, d_dig = digester(p), digester(d)
     settings = ConnectorSettings(side_channel_host="127.0.0.1", side_channel_port=port, verify_state_digest=True)
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
     sender = Sender(settings, "p", COMPAT, welcome, lambda b: p_dig.digest(b, [MAMBA]), threading.Event())
-    receiver = Receiver(d.transport, settings, "d", COMPAT, lambda b: d_dig.digest(b, [MAMBA]),
-                        faults.state_corrupter(lambda b: d_dig.pages(b, [MAMBA])))
+    receiver = StateCorruptingReceiver(d.transport, settings, "d", COMPAT, lambda b: d_dig.digest(b, [MAMBA]))
+    receiver.state_pages = lambda b: d_dig.pages(b, [MAMBA])
     try:
         sender.grant({"P-r1": SendLease(time.monotonic() + 30, 15, blocks(PAIRS, 0))})
         task = RecvTask(LeaseRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks(PAIRS, 0))
-        task = faults.corrupted(task) if corrupt else task
+        task = corrupted(task) if corrupt else task
         receiver.add("r1", task)
         deadline = time.monotonic() + TIMEOUT_S
         finished: set[str] = set()
@@ -140,20 +139,20 @@ def handoff(p, d, port: int, corrupt: bool, monkeypatch) -> tuple[set[str], dict
         sender.close()
 
 
-def test_a_handoff_with_the_digest_on_loads_the_state_p_sent(pair, free_port, monkeypatch):
+def test_a_handoff_with_the_digest_on_loads_the_state_p_sent(pair, free_port):
     p, d = pair
     d.transport.remove_peer("engine-p")
-    finished, failed, _ = handoff(p, d, free_port, corrupt=False, monkeypatch=monkeypatch)
+    finished, failed, _ = handoff(p, d, free_port, corrupt=False)
     assert finished == {"r1"} and not failed
     want, _ = expected_after(d, p, PAIRS)
     assert_bytes(d, want)
 
 
-def test_a_handoff_whose_state_d_corrupted_fails_on_the_digest(pair, free_port, monkeypatch):
+def test_a_handoff_whose_state_d_corrupted_fails_on_the_digest(pair, free_port):
     """Negative control of the one above: the same handoff, D's state pages flipped after the
     READ, is refused by the digest (vLLM then recomputes)."""
     p, d = pair
     d.transport.remove_peer("engine-p")
-    finished, failed, receiver = handoff(p, d, free_port, corrupt=True, monkeypatch=monkeypatch)
+    finished, failed, receiver = handoff(p, d, free_port, corrupt=True)
     assert not finished and "differs from P's digest" in failed["r1"]
     assert receiver.recorder.totals["load_failed:digest"] == 1

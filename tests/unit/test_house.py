@@ -5,6 +5,8 @@
   of the tooling beside it (rig/, benchmarks/, examples/, scripts/, tests/) nor a test framework
   or plotting library;
 - the subpackages depend one way: core <- transport <- engine; proxy and check on core and urls;
+- no product module names a fault: the negative controls' fault injection is the rig's
+  connector subclass (rig/fault_connector.py), reaching the product only through its seams;
 - unit tests import no vLLM, neither directly nor through a module that loads it on import.
 
 Imports are read with ``ast`` (every ``import`` statement, wherever it sits), so a lazy import
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -281,6 +284,75 @@ def test_layer_check_allows_the_documented_directions():
         "pd_connector.proxy.server": "from pd_connector.urls import normalize_url\nfrom pd_connector.core.protocol import KEY_REPLAY_OFFSET",
         "pd_connector.check.client": "from pd_connector.urls import OPENER\nimport pd_connector",
     }) == []
+
+
+# ---- (e) no product module names a fault ----------------------------------------------------------
+
+# Words of an identifier: split at "_" and "." and at camelCase ("FaultInjector": Fault, Injector).
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+")
+# A string that is a name (a params key, an environment variable, a module path), not prose.
+_NAME_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def _names(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.append(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append(node.name)
+        elif isinstance(node, ast.arg):
+            out.append(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.append(node.arg)
+        elif isinstance(node, ast.alias):
+            out += [node.name, node.asname or ""]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME_LIKE.fullmatch(node.value):
+            out.append(node.value)
+    return out
+
+
+def fault_names(source: str) -> list[str]:
+    """Identifiers, imports and name-like strings of ``source`` with a word starting "fault"
+    ("DEFAULT", "setdefault" are one word each: not a fault; prose in strings is not read)."""
+    words = lambda name: (w.lower() for part in re.split(r"[_.]", name) for w in _WORD.findall(part))  # noqa: E731
+    return sorted({n for n in _names(ast.parse(source)) if any(w.startswith("fault") for w in words(n))})
+
+
+def test_no_product_module_names_a_fault():
+    """Fault injection is test tooling: rig/fault_connector.py subclasses the connector and
+    overrides the product's neutral seams; the product holds no switch, key or field for it."""
+    found = {module_name(p): names for p in modules() if (names := fault_names(p.read_text()))}
+    assert found == {}
+
+
+@pytest.mark.parametrize("source", [
+    "from pd_connector.engine import faults",
+    "import rig.fault_connector",
+    "from rig.fault_receiver import corrupted",
+    "self._faults = None",
+    "class FaultInjector:\n    pass",
+    "def accept(request, fault=None):\n    pass",
+    "task.mark(fault_kind=1)",
+    "def injectFaults():\n    pass",
+    "ENABLED = os.environ.get('PD_CONNECTOR_FAULT_INJECTION') == '1'",
+    "shift = params.get('_pd_fault_resume_shift')",
+])
+def test_fault_check_sees_every_form_of_naming_one(source):
+    """Negative control: each of these, put in a product module, fails the check above."""
+    assert fault_names(source)
+
+
+def test_fault_check_ignores_default_and_prose():
+    source = (
+        "DEFAULT_TIMEOUT_S = 1\nd.setdefault(k, v)\ndefaults = {}\nclass Defaults:\n    pass\n"
+        "'''The client's request is at fault.'''\nlog('a fault on P')\n"
+    )
+    assert fault_names(source) == []
 
 
 # ---- (f) unit tests import no vLLM --------------------------------------------------------------

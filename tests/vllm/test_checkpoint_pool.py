@@ -11,7 +11,7 @@ caching across the handoff"). Checked per speculative setting, unit and backend 
   a checkpoint P's truncated prefill never computes (``checkpoints_not_computed``: the EAGLE
   drop on a block-aligned prompt, multi-module MTP's re-prefillable tail), the documented
   fallback;
-- negative control: with the states withheld (fault switch on D) the hit drops where it
+- negative control: with the states withheld (rig/fault_connector.py on D) the hit drops where it
   rested on them;
 - prefix caching on one side only: D without it refuses the states alone and loads the rest;
 - the blocks: P's pin lives until its lease ends (or the request is aborted), D's checkpoint
@@ -31,7 +31,7 @@ from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
 from pd_connector.core.params import KEY_CHECKPOINTS
 from rig.cpu_matrix import random_prompt
 from rig.tiny_models import build_model
-from pd_connector.engine import faults
+from rig.faults import WITHHOLD_CHECKPOINTS
 
 B = 64
 OUTPUT = 4
@@ -58,7 +58,7 @@ def models(tmp_path_factory):
     return {kind: str(build_model(kind, root)) for kind in ("llama", "eagle_llama", "qwen3_next_mtp")}
 
 
-def _scheduler(models, config, role, prefix_caching=True):
+def _scheduler(models, config, role, prefix_caching=True, faults=False):
     spec, unit, retention, exports, split = CONFIGS[config]
     model, speculative = models["llama"], None
     if spec == "eagle":
@@ -84,6 +84,7 @@ def _scheduler(models, config, role, prefix_caching=True):
         # states below R travel as checkpoints. The default (whole prompt, R on the
         # checkpoint) is tests/vllm/test_replay_turns.py.
         extra_config={"max_checkpoint_recompute": 0},
+        faults=faults,
     )
 
 
@@ -154,7 +155,7 @@ class Conversation:
         self.aggregated = _scheduler(models, config, "kv_both")
         self.prompt_only = _scheduler(models, config, "kv_both")
         self.p = _scheduler(models, config, "kv_producer")
-        self.d = _scheduler(models, config, "kv_consumer", prefix_caching=d_prefix_caching)
+        self.d = _scheduler(models, config, "kv_consumer", prefix_caching=d_prefix_caching, faults=withhold)
         self.withhold = withhold
         half = self.p.connector._scheduler
         self.profile, self.rule = half.profile, half.checkpoints.rule
@@ -165,7 +166,7 @@ class Conversation:
         _serve(self.prompt_only, turn1, max_tokens=1)
         _, params, _ = _serve(self.p, turn1, {"do_remote_decode": True}, max_tokens=1)
         sent = [s["position"] for s in (params.get(KEY_CHECKPOINTS) or {}).get("states", [])]
-        to_d = {**params, faults.WITHHOLD_CHECKPOINTS: True} if self.withhold else params
+        to_d = {**params, WITHHOLD_CHECKPOINTS: True} if self.withhold else params
         out_d, local, claimed = _decode(self.d, turn1, to_d)
         assert out_d == out_a
         turn2 = turn1 + out_a + random_prompt(2 * B + 5, seed + 1)
@@ -209,10 +210,9 @@ def test_d_keeps_every_checkpoint_aggregated_serving_keeps(models, config, monke
 
 
 @pytest.mark.parametrize("config", ["plain", "pmu16", "eagle"])
-def test_negative_control_withheld_checkpoints_drop_the_hit(models, config, monkeypatch):
+def test_negative_control_withheld_checkpoints_drop_the_hit(models, config):
     """The same conversations with D told to place none of P's states: where aggregated
     serving's turn-2 hit is a state P handed over, D's hit falls below it."""
-    monkeypatch.setenv(faults.ENV, "1")
     conv = Conversation(models, config, withhold=True)
     dropped = 0
     for i, n in enumerate(LENGTHS):

@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 from pd_connector.core import block_phases, read_hold, shards
 from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
-from pd_connector.engine import faults
-from pd_connector.engine.faults import StateCorrupter
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.decode.prefill_peers import PrefillPeers
 from pd_connector.engine.decode.read_in_flight import ReadInFlight
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
 from pd_connector.transport.sender_client import ClaimRequest, SenderClient
+from pd_connector.transport.side_channel import prefer_thread
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -56,7 +55,7 @@ SLOW_NIXL_CALL_S = 1.0
 _SIDE_CHANNEL_THREADS = 4
 
 
-def _read_pairs(task: RecvTask) -> list:
+def read_pairs(task: RecvTask) -> list:
     """The pairs one READ moves: the offset's, then the prompt checkpoints' in each group."""
     extra = task.checkpoint_pairs
     if not extra or not any(extra):
@@ -83,7 +82,6 @@ class Receiver:
         engine_id: str,
         compat: EngineCompat,
         state_digest: Callable[[list[list[int]]], bytes] | None,
-        corrupt_state: StateCorrupter | None = None,
         wake: threading.Event | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -93,12 +91,14 @@ class Receiver:
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._state_digest = state_digest
-        self._corrupt_state = corrupt_state  # test-only (engine/faults.py)
         self.recorder = Recorder()
         self._chunk_bytes = settings.nixl_read_chunk_mib * MiB
         # Side-channel calls only (never NIXL): a few threads so one slow peer or a claim that
         # waits for its grant does not hold up the others.
-        self._executor = ThreadPoolExecutor(max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel")
+        # They run at a real-time priority where permitted, as P's side channel does (prefer_thread).
+        self._executor = ThreadPoolExecutor(
+            max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel", initializer=prefer_thread
+        )
         # At most one socket in use per thread: keep that many open per P, no more.
         self._calls = SenderClient(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
@@ -193,6 +193,12 @@ class Receiver:
         """A READ is in flight: the engine thread must keep polling (and posting slices)."""
         return bool(self._reads)
 
+    def reads_in_nixl(self) -> list[float | None]:
+        """Per READ in flight, how long its posted slice has been in NIXL's hands, or None when
+        it has a slice to post now: how long an idle step may wait (``idle_wait.idle_step_wait``)."""
+        now = time.monotonic()
+        return [read.xfer.in_nixl_for(now) for read in self._reads.values()]
+
     def _submit(self, fn, *args) -> Future:
         future = self._executor.submit(fn, *args)
         if self._wake is not None:
@@ -273,7 +279,7 @@ class Receiver:
             self._end_leg(leg, release=True, reason="nothing to read from this rank")
             return
         try:
-            plan = self.transport.planner(peer).plan(_read_pairs(load.task), self._chunk_bytes)
+            plan = self.transport.planner(peer).plan(read_pairs(load.task), self._chunk_bytes)
             if plan.empty:
                 # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
                 self._end_leg(leg, release=True, reason="nothing to read")
@@ -328,8 +334,7 @@ class Receiver:
             del self._reads[leg]
             load = self._loads[leg[0]]
             own_blocks = [[d for _, d in g] for g in load.task.pairs]
-            if self._corrupt_state is not None and faults.corrupts(load.task):
-                self._corrupt_state([[d for _, d in g] for g in _read_pairs(load.task)])
+            self.read_ended(load.task)
             if state == FAILED:
                 # No completion notification will come: release.
                 self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)
@@ -348,6 +353,10 @@ class Receiver:
             self.recorder.observe("transfer_bytes", read.nbytes)
             self.recorder.observe("descriptors", read.descriptors)
             self._end_leg(leg)
+
+    def read_ended(self, task: RecvTask) -> None:
+        """A READ into ``task``'s blocks (``read_pairs``) ended, before its outcome is checked:
+        nothing to do here; a connector subclass may look at (or alter) what landed."""
 
     def _end_leg(
         self, leg: tuple[str, int], error: tuple[str, str] | None = None, release: bool = False, reason: str = ""

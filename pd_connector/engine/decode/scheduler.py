@@ -21,7 +21,6 @@ from pd_connector.core.config import ConnectorSettings
 from pd_connector.core.leases import extension_interval
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import LeaseRef
-from pd_connector.engine import faults
 from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.from_vllm import identity
 from pd_connector.engine.metadata import ExtendTask, ReleaseTask, RecvTask, extend_tasks
@@ -87,7 +86,6 @@ class DecodeScheduler:
         self._tp_size = tp_size  # logged and counted per (P TP -> D TP) pair
         self.recorder = recorder
         self.fingerprint_form = fingerprint_form
-        self._faults = faults.injector()
         self._checkpoints = checkpoint_pool
         # Validated handoffs waiting for admission.
         self._decisions: dict[str, handoff.Accepted] = {}
@@ -120,7 +118,6 @@ class DecodeScheduler:
         if getattr(request, "abort_immediately", False):
             self._release_rejected(request, params)
             return
-        check_prompt = self._faults is None or not self._faults.skips_prompt_check(params)
         decision = handoff.decide_on_decode(
             params,
             request.num_prompt_tokens,
@@ -129,11 +126,7 @@ class DecodeScheduler:
             trust_in=self.trust,
             now=time.time(),
             prompt_token_at=_prompt_token_at(request),
-            prompt_fingerprint=(
-                (lambda length, theirs: identity.fingerprint_to_check(request, length, theirs, self.fingerprint_form))
-                if check_prompt
-                else None
-            ),
+            prompt_fingerprint=self.prompt_fingerprint_check(request, params),
         )
         if isinstance(decision, handoff.Refused):
             self.recorder.count(f"refused:{decision.kind}")
@@ -146,27 +139,38 @@ class DecodeScheduler:
             if decision.release is not None:
                 self._queue_release(decision.release, f"refused ({decision.kind}): {decision.reason}", request.request_id)
             return
-        if not check_prompt:
-            logger.warning("pd_connector: FAULT INJECTION: %s skips the prompt fingerprint check", request.request_id)
         if decision.offset == 0:
             self.recorder.count("handoff_empty")
             return
         lease = decision.params.pd_lease_seconds
         if lease is not None and lease < self._shortest_p_lease:
             self._shortest_p_lease = lease
-        if self._faults is not None:
-            shifted = self._faults.shifted(decision, params, request.num_prompt_tokens)
-            if shifted is not decision:
-                logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id,
-                               shifted.offset - decision.offset)
-                decision = shifted
+        decision = self.resume_decision(request, params, decision)
         if self._checkpoints is not None:
-            withheld = self._faults is not None and self._faults.withholds_checkpoints(params)
+            withheld = not self.places_checkpoints(request, params)
             prompt_len = handoff.checkpoint_prompt_length(decision, request.num_prompt_tokens)
             placed = self._checkpoints.placeable(params, prompt_len, decision.offset, withheld)
             if placed:
                 decision = msgspec.structs.replace(decision, checkpoints=placed)
         self._decisions[request.request_id] = decision
+
+    # Per-request seams: each returns the rule above as is; a connector subclass may override
+    # them (the class SchedulerSide builds: ``decode_scheduler_class``).
+
+    def prompt_fingerprint_check(self, request: "Request", params: dict[str, Any]):
+        """How ``decide_on_decode`` checks P's prompt fingerprint against ``request``'s own."""
+        return lambda length, theirs: identity.fingerprint_to_check(request, length, theirs, self.fingerprint_form)
+
+    def resume_decision(
+        self, request: "Request", params: dict[str, Any], decision: handoff.Accepted
+    ) -> handoff.Accepted:
+        """The accepted handoff D loads for ``request``: P's offset, as decided."""
+        return decision
+
+    def places_checkpoints(self, request: "Request", params: dict[str, Any]) -> bool:
+        """Whether D places P's prompt checkpoints below the offset (else each is counted
+        ``checkpoint_refused:withheld`` and the rest loads)."""
+        return True
 
     def _release_rejected(self, request: "Request", params: dict[str, Any]) -> None:
         """vLLM's notice that D's serving layer rejected a request before it reached the engine
@@ -204,8 +208,6 @@ class DecodeScheduler:
         tables = blocks.blocks
         if not self._all_groups_transfer:
             tables = tuple(tables[g] for g in self.group_ids)
-        if self._faults is not None:
-            self._faults.note_admitted(request.request_id, request.kv_transfer_params)
         self._to_pair.append(
             Admitted(request.request_id, decision, tables, num_external_tokens, request.num_prompt_tokens, request)
         )
@@ -222,7 +224,7 @@ class DecodeScheduler:
         tails = []
         tp_pairs: dict[str, int] = {}
         for admitted in self._to_pair:
-            self._to_recv[admitted.request_id] = self._recv_task(admitted)
+            self._to_recv[admitted.request_id] = self.recv_task(admitted)
             params = admitted.decision.params
             recompute = admitted.num_prompt_tokens - admitted.decision.offset
             tails.append(recompute)
@@ -235,7 +237,8 @@ class DecodeScheduler:
             self.recorder.count(f"handoff_tp:{pair}", count)
         self.recorder.observe_all("recompute_tokens", tails)
 
-    def _recv_task(self, admitted: Admitted) -> RecvTask:
+    def recv_task(self, admitted: Admitted) -> RecvTask:
+        """The worker's task for one admitted handoff (a connector subclass may mark it)."""
         request_id, decision = admitted.request_id, admitted.decision
         params = decision.params
         try:
@@ -260,7 +263,7 @@ class DecodeScheduler:
         if pairs is not None and decision.checkpoints and self._checkpoints is not None:
             claimed, extra = self._checkpoints.reserve(admitted.request, decision.checkpoints)
         self._loading[request_id] = params.lease
-        task = RecvTask(
+        return RecvTask(
             lease=params.lease,
             pairs=pairs,
             num_tokens=admitted.num_external_tokens,
@@ -271,7 +274,6 @@ class DecodeScheduler:
             checkpoint_pairs=extra,
             remote_block_sizes=self._wire_block_sizes if params.pd_block_sizes is None else tuple(params.pd_block_sizes),
         )
-        return task if self._faults is None else self._faults.recv_task(request_id, task)
 
     def _log_first_handoff(self, admitted: Admitted, pair: str, recompute: int) -> None:
         """One INFO line per prefill engine, on its first handoff; DEBUG after (formatting a

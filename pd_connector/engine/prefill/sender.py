@@ -74,13 +74,15 @@ class Sender:
         port = side_channel_port(settings.side_channel_port, dp_index, welcome.tp_rank, welcome.tp_size)
         self.server = side_channel.SideChannelServer(settings.side_channel_host, port, self.serve, settings.secret)
         logger.info(
-            "pd_connector: side channel of engine %s, TP rank %d/%d listening on %s:%d (%s)",
+            "pd_connector: side channel of engine %s, TP rank %d/%d listening on %s:%d (%s, %s)",
             engine_id,
             welcome.tp_rank,
             welcome.tp_size,
             settings.side_channel_host,
             port,
             "authenticated" if settings.secret else "unauthenticated",
+            # side_channel.prefer_thread: set by the serving thread as it starts.
+            "real-time threads" if self.server.preferred() else "normal-priority threads",
         )
         exposure = trust.exposure_warning(settings.side_channel_host, bool(settings.secret))
         if exposure and welcome.tp_rank == 0:
