@@ -51,7 +51,7 @@ from benchmarks import transfer_paths as paths
 from benchmarks.transfer_bench import Bench, progress_delay, run_section
 from benchmarks.transfer_report import Result, fmt_tokens, print_results, summary_table
 from benchmarks.transfer_shapes import KERNEL_BLOCK, MODELS, MiB, check_vllm_placement
-from pd_connector.core.config import UCX_ERROR_HANDLING_MODES, ConnectorSettings
+from pd_connector.core.settings import UCX_ERROR_HANDLING_MODES, ConnectorSettings
 
 
 def small_block_cases(args, tokens: int) -> list[tuple[str, int, int, bool]]:

@@ -17,7 +17,7 @@ from pd_connector.core import layout
 from benchmarks import transfer_paths as paths
 from benchmarks.transfer_report import Result, progress
 from benchmarks.transfer_shapes import KERNEL_BLOCK, MODELS, MiB, build_side, choose_blocks, geometry
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.transport.nixl import NixlTransport
 
 KEY, UNPACKED = paths.KEY, "bench-p-unpacked"

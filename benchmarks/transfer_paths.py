@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.idle_wait import idle_step_wait
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead, NixlTransport
 

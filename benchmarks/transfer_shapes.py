@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pd_connector.core.protocol import LayerRegion
-from pd_connector.engine.from_vllm.config import kv_cache_config_from_groups_fn
+from pd_connector.engine.from_vllm.vllm_config import kv_cache_config_from_groups_fn
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
 
 GUARD = 4096

@@ -22,14 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from pd_connector.core.config import parse_settings
+from pd_connector.core.settings import parse_settings
 from pd_connector.engine.metrics import PDPromMetrics, PDStats
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.from_vllm.refusals import check_supported
 
 if TYPE_CHECKING:
-    from pd_connector.engine.scheduler import SchedulerSide
-    from pd_connector.engine.worker import WorkerSide
+    from pd_connector.engine.scheduler_side import SchedulerSide
+    from pd_connector.engine.worker_side import WorkerSide
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,12 +63,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     # Each role imports only its own side. A subclass may return its own side classes.
 
     def make_scheduler_side(self, vllm_config: Any, kv_cache_config: Any) -> "SchedulerSide":
-        from pd_connector.engine.scheduler import SchedulerSide
+        from pd_connector.engine.scheduler_side import SchedulerSide
 
         return SchedulerSide(vllm_config, kv_cache_config, self.settings)
 
     def make_worker_side(self, vllm_config: Any, kv_cache_config: Any) -> "WorkerSide":
-        from pd_connector.engine.worker import WorkerSide
+        from pd_connector.engine.worker_side import WorkerSide
 
         return WorkerSide(vllm_config, kv_cache_config, self.settings)
 

@@ -759,7 +759,7 @@ def _tp() -> list[Cell]:
             "tp.attention.layout", g, "attention_pages", "in-process",
             "pages vLLM builds (its specs, placement and views, LBHNC and BLHNC): every byte D's plan copies lands on "
             "the KV head and token vLLM's view says; padded pages, kernel blocks, layers with different KV-head "
-            "counts; over real NIXL with the production Sender and Receiver",
+            "counts; over real NIXL with the production LeaseServer and Receiver",
             tests=(
                 SL + "test_plain_kv_heads_land_on_their_head_through_vllms_view[*]",
                 SL + "test_padded_page_p_tp1_d_tp2_gives_each_d_rank_its_own_heads[*]",

@@ -17,11 +17,11 @@ from typing import Any
 
 from pd_connector.connector import PDConnector
 from pd_connector.core import handoff
-from pd_connector.engine.decode.scheduler import Admitted, DecodeScheduler
+from pd_connector.engine.decode.decode_scheduler import Admitted, DecodeScheduler
 from pd_connector.engine.metadata import RecvTask
-from pd_connector.engine.scheduler import SchedulerSide
+from pd_connector.engine.scheduler_side import SchedulerSide
 from pd_connector.engine.state_digest import StateDigester
-from pd_connector.engine.worker import WorkerSide
+from pd_connector.engine.worker_side import WorkerSide
 from rig import faults
 from rig.fault_receiver import StateCorruptingReceiver, corrupted
 

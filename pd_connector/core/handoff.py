@@ -170,7 +170,7 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
     ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
     position where the conversation's next turn resumes. When the two differ and P computed
-    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/scheduler.py). Never
+    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/prefill_scheduler.py). Never
     with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
     computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
     checkpoint, unit = plan.checkpoint, profile.checkpoint_unit

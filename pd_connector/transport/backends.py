@@ -12,7 +12,7 @@ import os
 import uuid
 from collections.abc import Sequence
 
-from pd_connector.core.config import UnsupportedConfig
+from pd_connector.core.settings import UnsupportedConfig
 
 
 def import_nixl():

@@ -1,4 +1,4 @@
-"""Prompt checkpoints below the offset over real NIXL, through the production Sender and
+"""Prompt checkpoints below the offset over real NIXL, through the production LeaseServer and
 Receiver: D claims the checkpoint states with the offset's blocks and one READ moves both
 (the checkpoint pages land in D's blocks byte for byte, and the state digest, which covers
 the offset's state only, still matches); a claim that names a checkpoint P did not lease is
@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import CheckpointBlocks, Welcome
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 
 from test_chunked_read import COMPAT
 from test_state_digest import blocks, digester, pair  # noqa: F401 (pair: fixture)
@@ -34,7 +34,7 @@ def _load(p, d, port: int, claimed: list[CheckpointBlocks]) -> tuple[set[str], d
     p_dig, d_dig = digester(p), digester(d)
     settings = ConnectorSettings(side_channel_host="127.0.0.1", side_channel_port=port, verify_state_digest=True)
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-    sender = Sender(settings, "p", COMPAT, welcome, lambda b: p_dig.digest(b, [MAMBA]), threading.Event())
+    sender = LeaseServer(settings, "p", COMPAT, welcome, lambda b: p_dig.digest(b, [MAMBA]), threading.Event())
     receiver = Receiver(d.transport, settings, "d", COMPAT, lambda b: d_dig.digest(b, [MAMBA]))
     try:
         sender.grant({"P-r1": SendLease(time.monotonic() + 30, 15, blocks(MAIN, 0), checkpoints=LEASED)})

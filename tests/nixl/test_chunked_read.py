@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from pd_connector.transport import side_channel
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.engine.metadata import ExtendTask, RecvTask
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import (

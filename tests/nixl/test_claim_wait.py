@@ -1,5 +1,5 @@
 """P answers a claim that overtook its lease the moment the lease lands (Claim.wait_ms), over a
-real side channel, with P's own claim handler (engine/prefill/sender.py); no NIXL transfer needed."""
+real side channel, with P's own claim handler (engine/prefill/lease_server.py); no NIXL transfer needed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import msgspec
 import pytest
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.protocol import (
     Ack,
     Claim,
@@ -23,9 +23,9 @@ from pd_connector.core.protocol import (
     Welcome,
     encode_read_done,
 )
-from pd_connector.engine.prefill import sender as sender_mod
+from pd_connector.engine.prefill import lease_server as sender_mod
 from pd_connector.engine.metadata import SendLease
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 from pd_connector.transport import side_channel
 
 HOST = "127.0.0.1"
@@ -40,12 +40,12 @@ def served(free_port):
     """P's sender (lease table and side-channel answers) on a real side channel at ``free_port``."""
     welcome = Welcome("p", "agent", b"", [], COMPAT)
     settings = ConnectorSettings(side_channel_host=HOST, side_channel_port=free_port)
-    s = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    s = LeaseServer(settings, "p", COMPAT, welcome, None, threading.Event())
     yield s
     s.close()
 
 
-def grant(s: Sender, request_id: str, offset: int = 31) -> None:
+def grant(s: LeaseServer, request_id: str, offset: int = 31) -> None:
     """What P's engine thread does one step after the request finished."""
     s.grant({request_id: SendLease(deadline=time.monotonic() + 30, offset=offset, block_ids=BLOCKS)})
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.decode.receiver import Receiver
 from pd_connector.engine.metadata import RecvTask
-from pd_connector.engine.worker import WorkerSide
+from pd_connector.engine.worker_side import WorkerSide
 from rig import devices
 
 from test_chunked_read import COMPAT, granting_side_channel
@@ -38,7 +38,7 @@ def idle_worker(receiver: Receiver, wake: threading.Event) -> WorkerSide:
     """The worker side of D in an engine step that scheduled nothing: only what
     ``_wait_if_idle`` reads (a WorkerSide needs a vLLM config to be built whole)."""
     worker = WorkerSide.__new__(WorkerSide)
-    worker.receiver, worker.sender, worker._wake = receiver, None, wake
+    worker.receiver, worker.lease_server, worker._wake = receiver, None, wake
     worker._idle_step, worker._idle_wait_s = True, WAIT_S
     return worker
 

@@ -1,7 +1,7 @@
 """A READ that outlives its lease: P frees the blocks at the deadline even under the READ (its
 hold stays bounded), another request reuses them, and D must fail the load (vLLM recomputes)
 instead of decoding on the other request's KV. Real NIXL (UCX over DRAM), the production
-Sender (P's lease table and side channel) and Receiver (D), sliced READs.
+LeaseServer (P's lease table and side channel) and Receiver (D), sliced READs.
 
 Two ways a READ outlives its lease: D's engine paused between two slices (no extension is sent
 and no slice posted), and the link down under the READ (the slice in flight does not complete
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from pd_connector.core import read_hold
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from pd_connector.engine.metadata import ExtendTask, RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 from pd_connector.transport.nixl import PENDING
 from rig import devices
 
@@ -50,16 +50,16 @@ def reuse_p_blocks(p) -> None:
                 page[:] = 255 - page
 
 
-def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bool, Sender, Receiver]:
+def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bool, LeaseServer, Receiver]:
     """Run one handoff whose READ outlives its lease; return (D finished, D failed, D's bytes
-    equal P's original ones, the Sender, the Receiver)."""
+    equal P's original ones, the LeaseServer, the Receiver)."""
     p = make_engine("layer_major_dense", 40, seed=11)
     d = make_engine("layer_major_dense", 56, seed=None)
     settings = ConnectorSettings(
         side_channel_host="127.0.0.1", side_channel_port=port, lease_seconds=LEASE_S, claim_deadline_seconds=LEASE_S
     )
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-    sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    sender = LeaseServer(settings, "p", COMPAT, welcome, None, threading.Event())
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     receiver._chunk_bytes = 8192  # 4 KiB pages: several slices per READ
     want, _ = expected_after(d, p, PAIRS)
@@ -151,7 +151,7 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
         claim_deadline_seconds=lease_s,
     )
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-    sender = Sender(settings, "p", COMPAT, welcome, None, threading.Event())
+    sender = LeaseServer(settings, "p", COMPAT, welcome, None, threading.Event())
     receiver = Receiver(d.transport, settings, "d", COMPAT, None)
     # Several slices: P's completion notification rides on the last one, which is posted only
     # once the first is seen done. A one-slice READ would notify P at once while slow_state

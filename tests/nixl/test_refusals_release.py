@@ -1,6 +1,6 @@
 """Every handoff D refuses after P answered is released on P with the reason (P then frees the
 blocks at once, not at the lease's end); a P that does not answer cannot be told, and frees
-at its claim deadline (core/leases.py). Real side channels, P's own Sender; no NIXL transfer."""
+at its claim deadline (core/leases.py). Real side channels, P's own LeaseServer; no NIXL transfer."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import EngineCompat, Welcome
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 
 HOST = "127.0.0.1"
 COMPAT = EngineCompat("m", "float32", "auto", [], "", 1, "cpu")
@@ -24,7 +24,7 @@ COMPAT = EngineCompat("m", "float32", "auto", [], "", 1, "cpu")
 @pytest.fixture
 def p(free_port):
     settings = ConnectorSettings(side_channel_host=HOST, side_channel_port=free_port, lease_seconds=600)
-    s = Sender(settings, "p", COMPAT, Welcome("p", "agent", b"", [], COMPAT), None, threading.Event())
+    s = LeaseServer(settings, "p", COMPAT, Welcome("p", "agent", b"", [], COMPAT), None, threading.Event())
     yield s
     s.close()
 
@@ -50,7 +50,7 @@ def task(port: int, engine: str, request_id: str) -> RecvTask:
     return RecvTask(LeaseRef(engine, HOST, port, request_id), [[(1, 1)]], 16, 15, [[1]])
 
 
-def wait_freed(p: Sender, rid: str, timeout: float = 5) -> set[str]:
+def wait_freed(p: LeaseServer, rid: str, timeout: float = 5) -> set[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         freed = p.blocks_to_free([])

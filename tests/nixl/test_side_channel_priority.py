@@ -71,7 +71,7 @@ def test_d_client_zmq_threads_are_real_time_where_permitted(free_port, monkeypat
 
 @pytest.mark.nixl
 def test_d_side_channel_call_threads_are_real_time_where_permitted():
-    from pd_connector.core.config import ConnectorSettings
+    from pd_connector.core.settings import ConnectorSettings
     from pd_connector.engine.decode.receiver import Receiver
     from test_chunked_read import COMPAT
     from test_transport import make_engine

@@ -3,7 +3,7 @@ NIXL READs, with its buffers on the test device (``PD_TEST_DEVICE``; CUDA tensor
 P's SHA-256 of the state pages it sends equals D's of the pages it received (between engines
 of different speculative widths too: only the conv state has speculative rows); D's page views
 alias the registered memory, so the rig's state corruption (rig/fault_receiver.py) lands in it
-and changes the digest; and through the production Sender and the rig's Receiver subclass (the
+and changes the digest; and through the production LeaseServer and the rig's Receiver subclass (the
 production one, flipping a marked task's state as it lands) a handoff whose state D corrupted
 fails the load, one that D left alone loads.
 """
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from rig import devices
@@ -23,7 +23,7 @@ from rig.fault_receiver import StateCorruptingReceiver, corrupted, flip_pages
 from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 
 from test_chunked_read import COMPAT
 from test_state_repairing import LAYERS as GDN_LAYERS, _engine as gdn_engine
@@ -109,13 +109,13 @@ def test_digest_matches_across_speculative_widths_after_the_read():
 
 
 def handoff(p, d, port: int, corrupt: bool) -> tuple[set[str], dict[str, str], Receiver]:
-    """One handoff through the production Sender (P's digest in the grant) and Receiver (D's
+    """One handoff through the production LeaseServer (P's digest in the grant) and Receiver (D's
     check; the rig's subclass), D corrupting what it read when ``corrupt`` (CORRUPT_STATE's
     path: rig/fault_connector.py marks the task, the receiver flips its state)."""
     p_dig, d_dig = digester(p), digester(d)
     settings = ConnectorSettings(side_channel_host="127.0.0.1", side_channel_port=port, verify_state_digest=True)
     welcome = Welcome("p", p.transport.name, p.transport.agent_metadata, list(p.regions), COMPAT)
-    sender = Sender(settings, "p", COMPAT, welcome, lambda b: p_dig.digest(b, [MAMBA]), threading.Event())
+    sender = LeaseServer(settings, "p", COMPAT, welcome, lambda b: p_dig.digest(b, [MAMBA]), threading.Event())
     receiver = StateCorruptingReceiver(d.transport, settings, "d", COMPAT, lambda b: d_dig.digest(b, [MAMBA]))
     receiver.state_pages = lambda b: d_dig.pages(b, [MAMBA])
     try:

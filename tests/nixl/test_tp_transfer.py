@@ -1,5 +1,5 @@
 """Tensor-parallel handoffs in one process, with real NIXL agents (UCX over DRAM), real side
-channels and the production Sender (one per P rank) and Receiver (one per D rank).
+channels and the production LeaseServer (one per P rank) and Receiver (one per D rank).
 
 Every rank's pages are laid out the way vLLM shards them (segments from core/shards.py) and
 filled with bytes that are a function of the *global* unit (KV head, conv channel of a row,
@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from pd_connector.core import ranks, shards
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
 from rig.ports import free_ports
 from pd_connector.engine.metadata import RecvTask, SendLease
 from pd_connector.engine.decode.receiver import Receiver
 from rig.tp_layouts import KDA, MAMBA1, SHORT_CONV, Model, compat
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 
 pytestmark = pytest.mark.nixl
 
@@ -37,7 +37,7 @@ def run_handoff(
     model: Model, p: int, d: int, port: int, requests: dict[str, dict[int, list[tuple[int, int]]]], tamper=None,
     dp_index: int = 0,
 ):
-    """Fill every P rank's source blocks, serve them with one Sender per rank, load them on
+    """Fill every P rank's source blocks, serve them with one LeaseServer per rank, load them on
     every D rank with a Receiver; return (D ranks, {rank: finished requests} per P rank).
     ``dp_index``: P is that DP rank of a DP group (engine ``p_dp<k>``, ports from
     ``port + k * p``); DP rank 0's TP ranks listen below it meanwhile, holding no lease."""
@@ -50,9 +50,9 @@ def run_handoff(
         for r, rank in enumerate(p_ranks):
             rank.fill({g: [src for req in requests.values() for src, _ in req.get(g, [])] for g in (0, 1)})
             welcome = Welcome(engine, rank.transport.name, rank.transport.agent_metadata, rank.regions, compat(p), r, p)
-            senders.append(Sender(settings, engine, compat(p), welcome, None, threading.Event(), dp_index=dp_index))
+            senders.append(LeaseServer(settings, engine, compat(p), welcome, None, threading.Event(), dp_index=dp_index))
         decoys += [
-            Sender(settings, "p_dp0", compat(p), Welcome("p_dp0", "decoy", b"", [], compat(p), r, p), None, threading.Event())
+            LeaseServer(settings, "p_dp0", compat(p), Welcome("p_dp0", "decoy", b"", [], compat(p), r, p), None, threading.Event())
             for r in range(p)
             if dp_index
         ]
@@ -148,7 +148,7 @@ def test_every_byte_of_every_d_rank_page_comes_from_the_p_rank_that_holds_it(mod
 def test_mamba1_short_conv_and_kda_states_land_on_their_d_rank_over_nixl(model, p, d):
     """Issue #29, 2: the layouts of Jamba's Mamba1, LFM2's short convolution and Kimi Linear's
     KDA (derived and checked on vLLM's own layers in tests/vllm/test_state_shard_layout.py) over
-    the production Sender and Receiver; fewer pairs than above, the pairing code being the same.
+    the production LeaseServer and Receiver; fewer pairs than above, the pairing code being the same.
     ``kda_with_mla``: Kimi Linear's pair, KDA next to MLA's replicated latent in one handoff."""
     freed = run_handoff(model, p, d, free_ports(p), REQUESTS)
     assert all(f == set(REQUESTS) for f in freed)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pd_connector.core import layout
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metadata import RecvTask
 from pd_connector.engine.decode.receiver import Receiver

@@ -73,7 +73,7 @@ def test_with_worker_threads_the_summary_shows_the_connector_against_one_descrip
 
 def test_knob_settings_mark_the_connectors_default_and_quick_keeps_no_threads_and_two():
     from benchmarks.transfer import knob_settings
-    from pd_connector.core.config import ConnectorSettings
+    from pd_connector.core.settings import ConnectorSettings
 
     default = ConnectorSettings().nixl_num_threads
     full = knob_settings(quick=False)

@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.core.config: kv_connector_extra_config parsing and validation."""
+"""Pure tests of pd_connector.core.settings: kv_connector_extra_config parsing and validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.core.config import (
+from pd_connector.core.settings import (
     DEFAULT_SIDE_CHANNEL_PORT,
     ENV_PREFIX,
     SECRET_ENV,
@@ -433,8 +433,8 @@ def test_shared_secret_file_of_wrong_type_is_refused_naming_the_key(value, monke
     def no_open(*args, **kwargs):
         raise AssertionError(f"open{args} called for a non-string shared_secret_file")
 
-    # Shadows the builtin for pd_connector.core.config only.
-    monkeypatch.setattr("pd_connector.core.config.open", no_open, raising=False)
+    # Shadows the builtin for pd_connector.core.settings only.
+    monkeypatch.setattr("pd_connector.core.settings.open", no_open, raising=False)
     with pytest.raises(ValueError, match="shared_secret_file"):
         parse({"shared_secret_file": value}, {SECRET_ENV: "from-env"})
 

@@ -167,7 +167,7 @@ def test_the_package_imports_no_tooling_test_framework_or_plotting():
     "def lazy():\n    from rig import fake_upstreams",
 ])
 def test_tooling_check_sees_every_form_of_import(line):
-    assert imports_tooling(line, "pd_connector.engine.worker")
+    assert imports_tooling(line, "pd_connector.engine.worker_side")
 
 
 def test_tooling_check_ignores_lookalike_names():
@@ -248,7 +248,7 @@ def test_function_length_check_sees_a_long_function_and_accepts_a_reason():
 
 # ---- (d) subpackages depend one way -------------------------------------------------------------
 
-# transport/sender_client.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
+# transport/lease_client.py takes engine/metadata.py's task types (RecvTask, ReleaseTask,
 # ExtendTask) for the P it calls: an engine -> transport -> engine cycle, until those calls take
 # a core type instead. Listed here so that no other crossing hides behind it.
 def sources_of(layer: str) -> dict[str, str]:
@@ -266,7 +266,7 @@ def test_subpackage_imports_only_the_layers_below_it(layer):
     ("pd_connector.core.layout", "from pd_connector.transport import nixl"),
     ("pd_connector.core.layout", "import pd_connector.engine.compat"),
     ("pd_connector.transport.nixl", "from pd_connector.engine.metadata import RecvTask"),
-    ("pd_connector.engine.worker", "from pd_connector.proxy import server"),
+    ("pd_connector.engine.worker_side", "from pd_connector.proxy import server"),
     ("pd_connector.proxy.flow", "from pd_connector.engine import scheduler"),
     ("pd_connector.check.run", "from pd_connector.transport import side_channel"),
     ("pd_connector.check.run", "from pd_connector import connector"),

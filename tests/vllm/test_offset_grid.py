@@ -117,7 +117,7 @@ def test_eagle_drop_is_vllms_predicate_for_every_method(method, disable_drop):
 
     from vllm.config import SpeculativeConfig
 
-    from pd_connector.engine.from_vllm.config import eagle_block_drop
+    from pd_connector.engine.from_vllm.vllm_config import eagle_block_drop
 
     spec_config = SpeculativeConfig.__new__(SpeculativeConfig)  # the predicates read two fields
     object.__setattr__(spec_config, "method", method)

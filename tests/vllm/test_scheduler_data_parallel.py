@@ -7,8 +7,8 @@ from rig.scheduler_harness import connector_half, finished_params, make_request,
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from pd_connector.core.config import parse_settings
-from pd_connector.engine.from_vllm.config import dp_placement
+from pd_connector.core.settings import parse_settings
+from pd_connector.engine.from_vllm.vllm_config import dp_placement
 
 BASE = 5660
 P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -90,7 +90,7 @@ def test_dp_placement_reads_the_rank_vllm_keeps_and_whether_ranks_step_together(
 
 
 def test_a_worker_in_a_lockstep_dp_group_never_waits_in_an_idle_step(model_dir):
-    from pd_connector.engine.worker import WorkerSide
+    from pd_connector.engine.worker_side import WorkerSide
 
     settings = parse_settings({"idle_step_wait_ms": 5.0})
     for lockstep, wait in ((False, 0.005), (True, 0.0)):
@@ -101,7 +101,7 @@ def test_a_worker_in_a_lockstep_dp_group_never_waits_in_an_idle_step(model_dir):
 
 def _worker(model_dir, dp_index, base):
     from pd_connector.core.protocol import Welcome
-    from pd_connector.engine.worker import WorkerSide
+    from pd_connector.engine.worker_side import WorkerSide
 
     s = make_scheduler(model_dir, "kv_producer", dp_index=dp_index)
     worker = WorkerSide(s.vllm_config, s.kv_cache_config, parse_settings({"side_channel_port": base}))
@@ -118,24 +118,24 @@ def test_two_instances_on_overlapping_ports_refuse_at_start_up_naming_the_scheme
 
     base = free_ports(3)
     first, welcome = _worker(model_dir, 1, base)  # the first instance's DP rank 1: base + 1
-    held = first._start_sender(welcome, None)
+    held = first._start_lease_server(welcome, None)
     try:
         second, welcome2 = _worker(model_dir, 0, base + 1)
         with pytest.raises(SideChannelError) as refused:
-            second._start_sender(welcome2, None)
+            second._start_lease_server(welcome2, None)
         text = str(refused.value)
         assert f":{base + 1}" in text and "side_channel_port" in text and "dp_index" not in text
         assert "DP rank 0" in text and "d * t consecutive ports" in text
         # Apart by the first instance's range (2 ports), the two start side by side.
         third, welcome3 = _worker(model_dir, 0, base + 2)
-        third._start_sender(welcome3, None).close()
+        third._start_lease_server(welcome3, None).close()
     finally:
         held.close()
 
 
 def test_a_dp_rank_past_the_last_port_is_refused_before_binding(model_dir):
-    from pd_connector.core.config import UnsupportedConfig
+    from pd_connector.core.settings import UnsupportedConfig
 
     worker, welcome = _worker(model_dir, 1, 65535)
     with pytest.raises(UnsupportedConfig, match="side_channel_port to at most 65534"):
-        worker._start_sender(welcome, None)
+        worker._start_lease_server(welcome, None)

@@ -325,7 +325,7 @@ def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_wi
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
     from pd_connector.core.handoff import plan_handoff, min_recompute_tokens
-    from pd_connector.engine.from_vllm.config import profile_from_vllm
+    from pd_connector.engine.from_vllm.vllm_config import profile_from_vllm
 
     spec = SlidingWindowMLASpec(
         block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128, bounded_replay=True

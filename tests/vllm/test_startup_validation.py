@@ -8,14 +8,14 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from pd_connector.core.config import parse_settings
+from pd_connector.core.settings import parse_settings
 from pd_connector.transport.backends import missing_backends_message
 from pd_connector.core.compat import compat_differences
 from pd_connector.transport.side_channel import SideChannelError, SideChannelServer
-from pd_connector.core.config import UnsupportedConfig
+from pd_connector.core.settings import UnsupportedConfig
 from pd_connector.engine.from_vllm.refusals import check_supported
 from pd_connector.engine.from_vllm.engine_compat import engine_compat
-from pd_connector.engine.from_vllm.config import layouts_from_kv_cache_config
+from pd_connector.engine.from_vllm.vllm_config import layouts_from_kv_cache_config
 
 
 def _config(tp=1, pp=1, dcp=1, device="cpu", platform="cpu"):

@@ -20,7 +20,7 @@ from pd_connector.core import block_phases, shards
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
-from pd_connector.transport.sender_client import PeerRefused, SenderClient
+from pd_connector.transport.lease_client import PeerRefused, LeaseClient
 
 logger = logging.getLogger("vllm.pd_connector")
 
@@ -42,7 +42,7 @@ class PrefillPeers:
     def __init__(
         self,
         transport: NixlTransport,
-        calls: SenderClient,
+        calls: LeaseClient,
         submit: Callable[..., Future],
         tp_rank: int,
         tp_size: int,

@@ -22,7 +22,7 @@ A request ends when all its legs have: ``finished``, or ``failed`` if any leg fa
 scheduler recomputes). A failed request's legs that have not read yet release their P rank at
 once; a leg already reading runs to its end first, so nothing writes into D's blocks once vLLM
 hears the outcome. All NIXL calls stay on the engine thread; the background threads only speak
-ZMQ (``transport/sender_client.py``).
+ZMQ (``transport/lease_client.py``).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pd_connector.core import block_phases, read_hold, shards
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.decode.prefill_peers import PrefillPeers
 from pd_connector.engine.decode.read_in_flight import ReadInFlight
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
-from pd_connector.transport.sender_client import ClaimRequest, SenderClient
+from pd_connector.transport.lease_client import ClaimRequest, LeaseClient
 from pd_connector.transport.side_channel import prefer_thread
 
 logger = logging.getLogger("vllm.pd_connector")
@@ -100,7 +100,7 @@ class Receiver:
             max_workers=_SIDE_CHANNEL_THREADS, thread_name_prefix="pd-side-channel", initializer=prefer_thread
         )
         # At most one socket in use per thread: keep that many open per P, no more.
-        self._calls = SenderClient(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
+        self._calls = LeaseClient(settings, engine_id, compat, max_idle_per_peer=_SIDE_CHANNEL_THREADS)
         # Set when a handshake or claim reply arrives, so an idle engine step waiting on it
         # (WorkerSide.get_transfer_results) resumes at once.
         self._wake = wake

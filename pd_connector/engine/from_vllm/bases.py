@@ -1,7 +1,7 @@
 """The vLLM base classes of the connector's in-process types, or plain stand-ins where vLLM is
 not installed at all.
 
-Why: the real-NIXL tests (the production Sender and Receiver with their tasks and stats) also
+Why: the real-NIXL tests (the production LeaseServer and Receiver with their tasks and stats) also
 run on a GPU host that has torch and NIXL but no vLLM (``scripts/gpu_check.sh``,
 docs/testing.md "GPU check"). Only vLLM loads the connector itself, so a stand-in never meets
 vLLM; an installed vLLM that fails to import still fails here, loudly.

@@ -8,7 +8,7 @@ from typing import Any
 
 from pd_connector.core.pairing import MAMBA, wire_block_sizes
 from pd_connector.core.protocol import EngineCompat, GroupDesc
-from pd_connector.engine.from_vllm.config import layouts_from_kv_cache_config
+from pd_connector.engine.from_vllm.vllm_config import layouts_from_kv_cache_config
 from pd_connector.engine.from_vllm.identity import model_identity
 
 

@@ -301,7 +301,7 @@ def prompt_fingerprint_rehashed(request: Any, length: int, theirs: str, mine: st
     return fingerprint(tokens, length, extra, form=theirs, chain=chain, chain_tokens=full * block_size)
 
 
-# The choice of form, for both roles (engine/prefill/scheduler.py offers, engine/decode/
+# The choice of form, for both roles (engine/prefill/prefill_scheduler.py offers, engine/decode/
 # scheduler.py checks): the engine's own form where it has one, every token folded otherwise.
 def fingerprint_to_offer(request: Any, length: int, mine: tuple[str, int]) -> str | None:
     """P's fingerprint of the ``length`` tokens it prefilled: in this engine's form, every token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd_connector.core.config import UnsupportedConfig
+from pd_connector.core.settings import UnsupportedConfig
 
 
 def check_hybrid_kv_cache_manager(vllm_config: Any) -> None:

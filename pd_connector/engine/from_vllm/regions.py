@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from pd_connector.core.config import UnsupportedConfig
+from pd_connector.core.settings import UnsupportedConfig
 from pd_connector.core.protocol import LayerRegion
 
 

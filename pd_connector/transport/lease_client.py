@@ -9,7 +9,7 @@ import time
 
 import msgspec
 
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
@@ -58,7 +58,7 @@ class ClaimRequest(msgspec.Struct, frozen=True):
     checkpoints: list[CheckpointBlocks] = []
 
 
-class SenderClient:
+class LeaseClient:
     def __init__(self, settings: ConnectorSettings, engine_id: str, compat: EngineCompat, max_idle_per_peer: int):
         self.settings = settings
         self.engine_id = engine_id

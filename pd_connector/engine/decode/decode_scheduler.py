@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pd_connector.core import handoff, pairing, trust
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.leases import extension_interval
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import LeaseRef

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd_connector.core.config import UnsupportedConfig
+from pd_connector.core.settings import UnsupportedConfig
 from pd_connector.core.handoff import RecomputeProfile
 from pd_connector.core.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
 

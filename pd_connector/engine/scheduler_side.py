@@ -1,6 +1,6 @@
 """The scheduler side of PDConnector (in vLLM's EngineCore process): routes each request to
-P's half (``do_remote_decode``: engine/prefill/scheduler.py) or D's (``do_remote_prefill``:
-engine/decode/scheduler.py) and gathers both halves' work into one ``PDMetadata`` a step. A
+P's half (``do_remote_decode``: engine/prefill/prefill_scheduler.py) or D's (``do_remote_prefill``:
+engine/decode/decode_scheduler.py) and gathers both halves' work into one ``PDMetadata`` a step. A
 ``kv_both`` instance runs both. Both share the prompt checkpoints' blocks in vLLM's block pool
 (engine/checkpoint_pool.py): P pins the ones it hands over, D registers the ones it reads."""
 
@@ -10,14 +10,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.core import handoff, ranks, trust
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.engine.checkpoint_pool import CheckpointPool, checkpoint_rule_from_vllm
-from pd_connector.engine.decode.scheduler import DecodeScheduler
+from pd_connector.engine.decode.decode_scheduler import DecodeScheduler
 from pd_connector.engine.from_vllm import identity
-from pd_connector.engine.from_vllm.config import dp_placement, layouts_from_kv_cache_config, profile_from_vllm
+from pd_connector.engine.from_vllm.vllm_config import dp_placement, layouts_from_kv_cache_config, profile_from_vllm
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import Recorder
-from pd_connector.engine.prefill.scheduler import PrefillScheduler
+from pd_connector.engine.prefill.prefill_scheduler import PrefillScheduler
 from pd_connector.transport.host_addresses import local_host_names
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def trust_from_settings(settings: ConnectorSettings) -> trust.Trust:
 
 
 class SchedulerSide:
-    # D's half; a connector subclass may substitute its own (engine/decode/scheduler.py's seams).
+    # D's half; a connector subclass may substitute its own (engine/decode/decode_scheduler.py's seams).
     decode_scheduler_class = DecodeScheduler
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from pd_connector.core import trust
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.leases import GRANTED, UNKNOWN, LeaseTable
 from pd_connector.core.compat import compat_differences
 from pd_connector.core.protocol import (
@@ -46,7 +46,7 @@ from pd_connector.transport import side_channel
 logger = logging.getLogger("vllm.pd_connector")
 
 
-class Sender:
+class LeaseServer:
     def __init__(
         self,
         settings: ConnectorSettings,

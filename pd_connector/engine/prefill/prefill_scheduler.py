@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pd_connector.core import checkpoints, handoff, pairing, trust
-from pd_connector.core.config import ConnectorSettings
+from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.leases import initial_lease
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import (

@@ -1,7 +1,7 @@
 """The worker side of PDConnector (one per vLLM worker process, i.e. per TP rank): dispatch.
 
 Registers this rank's KV pages with NIXL, then hands each engine step's metadata to P's
-``Sender`` (leases, side-channel answers) and D's ``Receiver`` (handshake, claim, READ), and
+``LeaseServer`` (leases, side-channel answers) and D's ``Receiver`` (handshake, claim, READ), and
 reports their outcomes to vLLM. D's failures are reported per request as ``failed_recving``
 *and* ``finished_recving``, for all groups at once (vLLM raises on block-level errors for
 multi-group models, Scheduler._handle_invalid_blocks). vLLM counts a request finished (sent or
@@ -18,18 +18,18 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from pd_connector.core import ranks
-from pd_connector.core.config import ConnectorSettings, UnsupportedConfig
+from pd_connector.core.settings import ConnectorSettings, UnsupportedConfig
 from pd_connector.core.idle_wait import idle_step_wait, idle_wait_seconds
 from pd_connector.core.pairing import MAMBA
 from pd_connector.core.protocol import Welcome
-from pd_connector.engine.from_vllm.config import dp_placement, tp_rank_and_size
+from pd_connector.engine.from_vllm.vllm_config import dp_placement, tp_rank_and_size
 from pd_connector.engine.from_vllm.engine_compat import engine_compat
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
 from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import PDStats, Recorder
 from pd_connector.engine.decode.receiver import Receiver
-from pd_connector.engine.prefill.sender import Sender
+from pd_connector.engine.prefill.lease_server import LeaseServer
 from pd_connector.engine.from_vllm.shard_layout import describe_shards
 from pd_connector.transport.nixl import NixlTransport
 from pd_connector.transport.side_channel import SideChannelError
@@ -55,7 +55,7 @@ class WorkerSide:
         self.mamba_groups = [i for i, g in enumerate(self.compat.groups) if g.kind == MAMBA]
         self.mem_type = "DRAM" if kv_transfer.kv_buffer_device == "cpu" else "VRAM"
         self.transport: NixlTransport | None = None
-        self.sender: Sender | None = None
+        self.lease_server: LeaseServer | None = None
         self.receiver: Receiver | None = None
         self.recorder = Recorder()
         # Idle steps (nothing scheduled, only connector work pending) wait on this instead of
@@ -104,7 +104,7 @@ class WorkerSide:
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
             )
-            self.sender = self._start_sender(welcome, digest)
+            self.lease_server = self._start_lease_server(welcome, digest)
 
     def make_receiver(self, kv_caches: dict[str, Any], regions: Any, digest: Any) -> Receiver:
         """This rank's ``receiver_class``; ``kv_caches`` and ``regions`` (its registered pages)
@@ -120,7 +120,7 @@ class WorkerSide:
             tp_size=self.tp_size,
         )
 
-    def _start_sender(self, welcome: Welcome, digest: Any) -> Sender:
+    def _start_lease_server(self, welcome: Welcome, digest: Any) -> LeaseServer:
         """P's side channel for this (DP, TP) rank, on its port of core/ranks.py's scheme; a port
         past 65535 or one another process holds is refused naming the scheme and the setting."""
         base = self.settings.side_channel_port
@@ -128,7 +128,7 @@ class WorkerSide:
         if problem is not None:
             raise UnsupportedConfig(f"pd_connector: {problem}")
         try:
-            return Sender(self.settings, self.engine_id, self.compat, welcome, digest, self._wake, dp_index=self.dp_index)
+            return LeaseServer(self.settings, self.engine_id, self.compat, welcome, digest, self._wake, dp_index=self.dp_index)
         except SideChannelError as exc:
             raise SideChannelError(f"{exc}. {ranks.describe_scheme(base, self.dp_index, self.tp_size)}") from None
 
@@ -136,8 +136,8 @@ class WorkerSide:
 
     def start_load_kv(self, meta: PDMetadata) -> None:
         self._idle_step = meta.idle
-        if meta.to_send and self.sender is not None:
-            self.sender.grant(meta.to_send)
+        if meta.to_send and self.lease_server is not None:
+            self.lease_server.grant(meta.to_send)
         assert self.receiver is not None or not (meta.to_recv or meta.to_release or meta.to_extend)
         for request_id, task in meta.to_recv.items():
             self.receiver.add(request_id, task)
@@ -157,7 +157,7 @@ class WorkerSide:
         wait = idle_step_wait(
             self._idle_step,
             self._idle_wait_s,
-            leases_held=self.sender.held() if self.sender is not None else 0,
+            leases_held=self.lease_server.held() if self.lease_server is not None else 0,
             loads_pending=receiver is not None and receiver.pending() > 0,
             reads=receiver.reads_in_nixl() if receiver is not None else (),
         )
@@ -173,8 +173,8 @@ class WorkerSide:
             self.receiver.advance()
             finished_recving, failed = self.receiver.take_results()
         finished_sending: set[str] = set()
-        if self.sender is not None and self.transport is not None:
-            finished_sending = self.sender.blocks_to_free(self.transport.take_notifications())
+        if self.lease_server is not None and self.transport is not None:
+            finished_sending = self.lease_server.blocks_to_free(self.transport.take_notifications())
         return KVConnectorTransferResults(
             finished_sending=finished_sending,
             finished_recving=finished_recving | failed,
@@ -182,8 +182,8 @@ class WorkerSide:
         )
 
     def take_stats(self) -> PDStats | None:
-        if self.sender is not None:
-            self.sender.take_stats(self.recorder)
+        if self.lease_server is not None:
+            self.lease_server.take_stats(self.recorder)
         stats = self.recorder.interval
         if self.receiver is not None:
             stats.aggregate(self.receiver.recorder.interval)
@@ -191,9 +191,9 @@ class WorkerSide:
         return stats.take()
 
     def shutdown(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
+        if self.lease_server is not None:
+            self.lease_server.close()
+            self.lease_server = None
         if self.receiver is not None:
             self.receiver.close()
         if self.transport is not None:
