@@ -42,7 +42,7 @@ class FaultInjectingDecodeScheduler(DecodeScheduler):
         shifted = faults.shifted(decision, params, request.num_prompt_tokens)
         if shifted is not decision:
             logger.warning("pd_connector: FAULT INJECTION: %s resumes %+d tokens off", request.request_id,
-                           shifted.offset - decision.offset)
+                           shifted.replay_offset - decision.replay_offset)
         return shifted
 
     def places_checkpoints(self, request: Any, params: dict[str, Any]) -> bool:

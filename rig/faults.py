@@ -38,6 +38,6 @@ def shifted(decision: handoff.Accepted, params: Mapping[str, Any], num_prompt_to
     """``decision`` resumed ``RESUME_SHIFT`` tokens off P's offset (still inside the prompt); the
     same object when the key is absent or would leave the prompt."""
     shift = params.get(RESUME_SHIFT)
-    if not isinstance(shift, int) or isinstance(shift, bool) or not 0 < decision.offset + shift < num_prompt_tokens:
+    if not isinstance(shift, int) or isinstance(shift, bool) or not 0 < decision.replay_offset + shift < num_prompt_tokens:
         return decision
-    return handoff.Accepted(offset=decision.offset + shift, params=decision.params)
+    return handoff.Accepted(replay_offset=decision.replay_offset + shift, params=decision.params)

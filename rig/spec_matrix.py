@@ -117,7 +117,7 @@ def expected_outcome(
     (``p_floor``) at D's minimum, P backs off far enough for D.
     """
     requested = min_recompute_tokens(d.profile) if hint else 0
-    offset = plan_handoff(num_prompt_tokens, p.profile, requested, p_floor).offset
+    offset = plan_handoff(num_prompt_tokens, p.profile, requested, p_floor).replay_offset
     if offset == 0:
         return HONOURED, 0  # nothing to hand over: D prefills, nothing to refuse
     if p.drafter_kv != d.drafter_kv:

@@ -175,11 +175,11 @@ def junction_to_pin(num_prompt_tokens: int, plan: HandoffPlan, profile: Recomput
     """The shared-prefix boundary P pins for a handoff: the whole prompt's checkpoint for its own
     next turn (``handoff.checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none.
     A whole-prompt plan pins only what a prefill of the whole prompt would not keep."""
-    if plan.offset <= 0:
+    if plan.replay_offset <= 0:
         return 0
     if plan.whole_prompt:
         return checkpoint_to_pin(num_prompt_tokens, num_prompt_tokens, rule)
-    return checkpoint_to_keep(plan, profile) or checkpoint_to_pin(num_prompt_tokens, plan.offset, rule)
+    return checkpoint_to_keep(plan, profile) or checkpoint_to_pin(num_prompt_tokens, plan.replay_offset, rule)
 
 
 def whole_prompt_states(
@@ -203,10 +203,10 @@ def states_to_pin(
     R it will not have). A hybrid that prefills past R (a whole-prompt plan) resumes on its
     checkpoint at R, not its tip, so that state is pinned too."""
     computed = prefill_length(num_prompt_tokens, plan)
-    wanted = checkpoints_to_hand_over(num_prompt_tokens, plan.offset, rule, junction, computed)
-    if resumes_on_checkpoint(plan.offset, computed, recurrent):
-        wanted += (plan.offset,)
-    return wanted, checkpoints_not_computed(num_prompt_tokens, plan.offset, rule, junction, computed)
+    wanted = checkpoints_to_hand_over(num_prompt_tokens, plan.replay_offset, rule, junction, computed)
+    if resumes_on_checkpoint(plan.replay_offset, computed, recurrent):
+        wanted += (plan.replay_offset,)
+    return wanted, checkpoints_not_computed(num_prompt_tokens, plan.replay_offset, rule, junction, computed)
 
 
 def resumes_on_checkpoint(offset: int, computed: int, recurrent: bool) -> bool:
@@ -217,7 +217,7 @@ def resumes_on_checkpoint(offset: int, computed: int, recurrent: bool) -> bool:
 
 def prefill_length(num_prompt_tokens: int, plan: HandoffPlan) -> int:
     """The prompt tokens P computes under ``plan``: all of them, or the offset it truncates to."""
-    return num_prompt_tokens if plan.whole_prompt else plan.offset
+    return num_prompt_tokens if plan.whole_prompt else plan.replay_offset
 
 
 def checkpoints_to_hand_over(

@@ -87,13 +87,13 @@ def mamba_checkpoint_position(num_tokens: int, unit: int, drop: bool) -> int:
 
 
 class HandoffPlan(msgspec.Struct, frozen=True):
-    """What P does with one prompt: compute and hand over ``offset`` tokens (D recomputes the
-    rest). ``checkpoint``: vLLM's prompt checkpoint for the whole prompt (where an engine that
+    """What P does with one prompt: compute and hand over ``replay_offset`` (R) tokens (D
+    recomputes the rest). ``checkpoint``: vLLM's prompt checkpoint for the whole prompt (where an engine that
     served it alone keeps the Mamba state for the next turn); 0 without prefix caching of
     recurrent state. ``first_token``: zero replay: the offset is the whole prompt and P's first
     sampled token travels with the handoff (D's prompt is the N tokens plus it)."""
 
-    offset: int
+    replay_offset: int
     checkpoint: int = 0
     first_token: bool = False
     # P computes all N prompt tokens, as aggregated serving does (same chunk ends, same
@@ -175,9 +175,9 @@ def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
     computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
     checkpoint, unit = plan.checkpoint, profile.checkpoint_unit
     needed = checkpoint + (unit if profile.eagle_drop else 0)
-    if unit <= 0 or checkpoint <= 0 or needed > plan.offset:
+    if unit <= 0 or checkpoint <= 0 or needed > plan.replay_offset:
         return 0
-    if checkpoint == mamba_checkpoint_position(plan.offset, unit, profile.eagle_drop):
+    if checkpoint == mamba_checkpoint_position(plan.replay_offset, unit, profile.eagle_drop):
         return 0  # vLLM keeps it anyway
     return checkpoint
 
@@ -220,10 +220,10 @@ def requested_min_recompute(raw: object) -> int | None:
 
 
 class Accepted(msgspec.Struct, frozen=True):
-    """D honours P's offset: load ``offset`` tokens, recompute ``[offset, N)``; and registers
-    ``checkpoints``, the prompt checkpoints below it that it places (core/checkpoints.py)."""
+    """D honours P's offset: load ``replay_offset`` (R) tokens, recompute ``[R, N)``; and
+    registers ``checkpoints``, the prompt checkpoints below it that it places (core/checkpoints.py)."""
 
-    offset: int
+    replay_offset: int
     params: HandoffParams
     checkpoints: tuple[CheckpointBlocks, ...] = ()
 
@@ -299,13 +299,13 @@ def decide_on_decode(
         mismatch = _prompt_mismatch(prompt_fingerprint(offset, theirs), theirs, offset, num_prompt_tokens)
         if mismatch:
             return Refused(kind="prompt_mismatch", reason=mismatch, params=params, release=params.lease)
-    return Accepted(offset=offset, params=params)
+    return Accepted(replay_offset=offset, params=params)
 
 
 def checkpoint_prompt_length(decision: Accepted, num_prompt_tokens: int) -> int:
     """The prompt whose checkpoints D registers (those aggregated serving keeps for it): P's R
     tokens under zero replay, where D's prompt is them plus P's first token; else D's own."""
-    return decision.offset if decision.params.pd_first_token is not None else num_prompt_tokens
+    return decision.replay_offset if decision.params.pd_first_token is not None else num_prompt_tokens
 
 
 def trust_refusal(

@@ -66,7 +66,7 @@ def initial_lease(claim_deadline_seconds: float, lease_seconds: float) -> float:
 
 class Lease(NamedTuple):
     deadline: float
-    offset: int
+    replay_offset: int
     block_ids: tuple[tuple[int, ...], ...]
     fingerprint: str = ""
     requests: int = 1  # D requests that read this handoff (the client's n)
@@ -129,7 +129,7 @@ class LeaseTable:
         self,
         request_id: str,
         deadline: float,
-        offset: int = 0,
+        replay_offset: int = 0,
         block_ids: Sequence[Sequence[int]] = (),
         fingerprint: str = "",
         requests: int = 1,
@@ -141,7 +141,7 @@ class LeaseTable:
         ``checkpoints``: the prompt checkpoints leased with them (``protocol.CheckpointBlocks``)."""
         cap = (deadline if now is None else now) + self.max_hold
         lease = Lease(
-            deadline, offset, _frozen(block_ids), fingerprint, max(1, requests), cap=cap,
+            deadline, replay_offset, _frozen(block_ids), fingerprint, max(1, requests), cap=cap,
             checkpoints=_frozen_checkpoints(checkpoints),
         )
         early = self._early.pop(request_id, None)
@@ -155,7 +155,7 @@ class LeaseTable:
     def claim(
         self,
         request_id: str,
-        offset: int,
+        replay_offset: int,
         block_ids,
         now: float,
         extend_to: float,
@@ -186,10 +186,10 @@ class LeaseTable:
                 "max_hold_seconds): no claim is granted past it"
             )
         claimed = _frozen(block_ids)
-        if offset != lease.offset or claimed != lease.block_ids:
+        if replay_offset != lease.replay_offset or claimed != lease.block_ids:
             return MISMATCH, (
-                f"claim for {request_id} (offset {offset}, blocks {list(map(list, claimed))}) "
-                f"does not match the lease (offset {lease.offset}, blocks "
+                f"claim for {request_id} (offset {replay_offset}, blocks {list(map(list, claimed))}) "
+                f"does not match the lease (offset {lease.replay_offset}, blocks "
                 f"{list(map(list, lease.block_ids))}): parameters altered in transit"
             )
         stray = _frozen_checkpoints(checkpoints) - lease.checkpoints
@@ -201,7 +201,7 @@ class LeaseTable:
         if fingerprint is not None and fingerprint != lease.fingerprint:
             return PROMPT_MISMATCH, (
                 f"claim for {request_id}: the decode request's prompt fingerprint {fingerprint or '(none)'} "
-                f"is not the one of the {offset} tokens this instance computed ({lease.fingerprint}): "
+                f"is not the one of the {replay_offset} tokens this instance computed ({lease.fingerprint}): "
                 "another prompt, or parameters altered in transit"
             )
         if reader in lease.done or (lease.closing and reader not in lease.claimed):

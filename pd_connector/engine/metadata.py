@@ -17,7 +17,7 @@ class SendLease:
     """P: blocks of a finished request held for D until ``deadline`` (time.monotonic)."""
 
     deadline: float
-    offset: int
+    replay_offset: int
     block_ids: list[list[int]]
     # The prompt fingerprint D's claim must match (core/fingerprint.py).
     fingerprint: str = ""

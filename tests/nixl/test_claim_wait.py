@@ -47,7 +47,7 @@ def served(free_port):
 
 def grant(s: LeaseServer, request_id: str, offset: int = 31) -> None:
     """What P's engine thread does one step after the request finished."""
-    s.grant({request_id: SendLease(deadline=time.monotonic() + 30, offset=offset, block_ids=BLOCKS)})
+    s.grant({request_id: SendLease(deadline=time.monotonic() + 30, replay_offset=offset, block_ids=BLOCKS)})
 
 
 def claim(request_id: str, wait_ms: int, offset: int = 31) -> Claim:

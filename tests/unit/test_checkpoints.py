@@ -180,7 +180,7 @@ def p_junction(n: int, offset: int, rule: CheckpointRule) -> int:
     checkpoint first, else one for D."""
     profile = rule.profile
     plan = plan_handoff(n, profile)
-    assert plan.offset == offset
+    assert plan.replay_offset == offset
     keep = checkpoint_to_keep(plan, profile) if offset else 0
     assert junction_to_pin(n, plan, profile, rule) == (keep or checkpoint_to_pin(n, offset, rule) if offset else 0)
     return junction_to_pin(n, plan, profile, rule)
@@ -206,7 +206,7 @@ def test_the_issue_case_two_units_and_a_few_tokens(n, expected):
 @given(prompts, rules)
 def test_handed_over_checkpoints_are_kept_by_both_and_below_the_offset(n, rule):
     profile = rule.profile
-    offset = plan_handoff(n, profile).offset
+    offset = plan_handoff(n, profile).replay_offset
     junction = p_junction(n, offset, rule)
     handed = checkpoints_to_hand_over(n, offset, rule, junction)
     missing = checkpoints_not_computed(n, offset, rule, junction)
@@ -229,7 +229,7 @@ def test_p_keeps_what_it_hands_over_in_vllms_own_prefill(n, rule):
     """Restated on P's side: the truncated prompt's prefill, its pin as the junction, keeps
     every checkpoint handed over; what it does not keep is exactly ``checkpoints_not_computed``."""
     profile = rule.profile
-    offset = plan_handoff(n, profile).offset
+    offset = plan_handoff(n, profile).replay_offset
     pin = p_junction(n, offset, rule)
     on_p = _vllm_kept(offset, rule, computed=offset, junction=pin) if offset else set()
     below = {p for p in _vllm_kept(n, rule, None) if p < offset}

@@ -108,10 +108,10 @@ def test_decide_never_raises_on_junk(raw, n, profile):
         assert isinstance(decision.reason, str) and decision.reason
         return
     # Anything accepted must honour D's own requirement.
-    assert 0 <= decision.offset < n
-    assert decision.offset == 0 or n - decision.offset >= min_recompute_tokens(profile)
-    assert decision.params.replay_offset == decision.offset
-    assert decision.params.remote_num_tokens in (None, decision.offset)
+    assert 0 <= decision.replay_offset < n
+    assert decision.replay_offset == 0 or n - decision.replay_offset >= min_recompute_tokens(profile)
+    assert decision.params.replay_offset == decision.replay_offset
+    assert decision.params.remote_num_tokens in (None, decision.replay_offset)
 
 
 def test_decide_never_raises_on_deeply_nested_version():
@@ -258,12 +258,12 @@ def test_remote_num_tokens_absent_is_accepted():
     raw = valid_params(10)
     del raw["remote_num_tokens"]
     d = decide_on_decode(raw, 100, RecomputeProfile())
-    assert isinstance(d, Accepted) and d.offset == 10 and d.params.remote_num_tokens is None
+    assert isinstance(d, Accepted) and d.replay_offset == 10 and d.params.remote_num_tokens is None
 
 
 def test_offset_zero_is_accepted_as_empty_handoff():
     d = decide_on_decode(returned_params(0, []), 100, RecomputeProfile(prefill_lookahead=5))
-    assert isinstance(d, Accepted) and d.offset == 0
+    assert isinstance(d, Accepted) and d.replay_offset == 0
 
 
 @pytest.mark.parametrize(
@@ -314,7 +314,7 @@ def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
     """P chooses R with D's requirement (or more) and returns params the way the scheduler
     does: D accepts exactly R."""
     requested = min_recompute_tokens(d_profile) + extra
-    offset = plan_handoff(n, p_profile, requested).offset
+    offset = plan_handoff(n, p_profile, requested).replay_offset
     source = data.draw(p_source(offset), label="source")
     raw = returned_params(
         offset,
@@ -325,7 +325,7 @@ def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
     )
     d = decide_on_decode(raw, n, d_profile)
     assert isinstance(d, Accepted), d
-    assert d.offset == offset
+    assert d.replay_offset == offset
     assert d.params.remote_block_ids == source
     assert d.params.remote_num_tokens == offset
     assert d.params.do_remote_prefill == (offset > 0)
@@ -337,10 +337,10 @@ def test_p_output_round_trips_through_d(n, p_profile, d_profile, extra, data):
 @MANY
 @given(prompt_lengths, skew_profiles, skew_profiles)
 def test_skew_d_accepts_when_p_is_told_d_requirement(n, p_profile, d_profile):
-    offset = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).offset
+    offset = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).replay_offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     assert isinstance(d, Accepted), (p_profile, d_profile, d)
-    assert d.offset == offset
+    assert d.replay_offset == offset
     assert offset == 0 or n - offset >= min_recompute_tokens(d_profile)
 
 
@@ -349,10 +349,10 @@ def test_skew_d_accepts_when_p_is_told_d_requirement(n, p_profile, d_profile):
 @example(40, RecomputeProfile(True, 1), RecomputeProfile(True, 3))  # b_P=1, b_D=2: phantom
 @example(40, RecomputeProfile(True, 3), RecomputeProfile(True, 1))  # b_P=2, b_D=1: skipped
 def test_skew_d_never_accepts_too_short_a_tail_when_p_is_not_told(n, p_profile, d_profile):
-    offset = plan_handoff(n, p_profile).offset
+    offset = plan_handoff(n, p_profile).replay_offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     if isinstance(d, Accepted):
-        assert d.offset == offset
+        assert d.replay_offset == offset
         assert offset == 0 or n - offset >= min_recompute_tokens(d_profile)
     else:
         assert d.kind == "offset_above_requirement"
@@ -366,14 +366,14 @@ def test_skew_exhaustive_small_prompts():
         for d_profile in sk:
             need = min_recompute_tokens(d_profile)
             for n in range(1, 161):
-                told = plan_handoff(n, p_profile, need).offset
+                told = plan_handoff(n, p_profile, need).replay_offset
                 d = decide_on_decode(returned_params(told, [[7]] if told else []), n, d_profile)
-                assert isinstance(d, Accepted) and d.offset == told, (n, p_profile, d_profile, d)
-                untold = plan_handoff(n, p_profile).offset
+                assert isinstance(d, Accepted) and d.replay_offset == told, (n, p_profile, d_profile, d)
+                untold = plan_handoff(n, p_profile).replay_offset
                 d = decide_on_decode(returned_params(untold, [[7]] if untold else []), n, d_profile)
                 ok = untold == 0 or n - untold >= need
                 if ok:
-                    assert isinstance(d, Accepted) and d.offset == untold
+                    assert isinstance(d, Accepted) and d.replay_offset == untold
                 else:
                     assert isinstance(d, Refused) and d.kind == "offset_above_requirement"
 
@@ -384,9 +384,9 @@ def test_mtp_skew_p1_d3_is_refused_not_silent():
     p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
     d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=4)
     n = 40
-    untold = plan_handoff(n, p_profile).offset
+    untold = plan_handoff(n, p_profile).replay_offset
     refused(returned_params(untold, [[7]]), n=n, profile=d_profile, kind="offset_above_requirement")
-    told = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).offset
+    told = plan_handoff(n, p_profile, min_recompute_tokens(d_profile)).replay_offset
     assert isinstance(decide_on_decode(returned_params(told, [[7]]), n, d_profile), Accepted)
     assert told == n - 3
 
@@ -415,10 +415,10 @@ def test_group_count_mismatch_is_refused_before_the_offset_requirement():
 def test_skew_d_accepts_when_p_is_configured_with_d_requirement_and_no_hint(n, p_profile, d_profile, extra):
     """A router that sends no pd_min_recompute_tokens (vllm-router): P's setting at D's
     requirement (or above) makes every handoff one D honours."""
-    offset = plan_handoff(n, p_profile, 0, min_recompute_tokens(d_profile) + extra).offset
+    offset = plan_handoff(n, p_profile, 0, min_recompute_tokens(d_profile) + extra).replay_offset
     d = decide_on_decode(returned_params(offset, [[7]] if offset else []), n, d_profile)
     assert isinstance(d, Accepted), (p_profile, d_profile, d)
-    assert d.offset == offset
+    assert d.replay_offset == offset
 
 
 def test_skew_mtp_mismatch_is_honoured_with_the_configured_floor():
@@ -427,8 +427,8 @@ def test_skew_mtp_mismatch_is_honoured_with_the_configured_floor():
     p_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=1)
     d_profile = RecomputeProfile(has_recurrent_state=True, prefill_lookahead=3)
     for n in (33, 64, 129):
-        refused(returned_params(plan_handoff(n, p_profile).offset, [[7]]), n=n, profile=d_profile,
+        refused(returned_params(plan_handoff(n, p_profile).replay_offset, [[7]]), n=n, profile=d_profile,
                 kind="offset_above_requirement")
-        floored = plan_handoff(n, p_profile, 0, 2).offset
+        floored = plan_handoff(n, p_profile, 0, 2).replay_offset
         assert floored == n - 2
         assert isinstance(decide_on_decode(returned_params(floored, [[7]]), n, d_profile), Accepted)

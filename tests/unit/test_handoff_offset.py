@@ -86,7 +86,7 @@ def test_min_recompute_matches_vllm_backoff_table(recurrent, lookahead, expected
 @MANY
 @given(prompt_lengths, profiles, st.integers(-10, 6000))
 def test_choose_offset_bounds(n, profile, requested):
-    offset = plan_handoff(n, profile, requested).offset
+    offset = plan_handoff(n, profile, requested).replay_offset
     assert isinstance(offset, int) and not isinstance(offset, bool)
     assert 0 <= offset < n
     if offset > 0:
@@ -102,7 +102,7 @@ def test_d_recomputes_only_its_minimum_in_every_cache_mode(n, profile, requested
     drop: D never recomputes more than it must (the grid used to move up to a unit of prefill
     work onto D)."""
     tail = max(min_recompute_tokens(profile), requested)
-    assert plan_handoff(n, profile, requested).offset == max(0, n - tail)
+    assert plan_handoff(n, profile, requested).replay_offset == max(0, n - tail)
 
 
 @MANY
@@ -113,8 +113,8 @@ def test_checkpoint_trade_lands_on_vllm_checkpoint_within_its_budget(n, profile,
     checkpoint, never more extra work than allowed."""
     plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
     tail = max(min_recompute_tokens(profile), requested)
-    assert plan.offset == expected_offset(n, profile, requested, max_extra)
-    assert 0 <= max(0, n - tail) - plan.offset <= max_extra
+    assert plan.replay_offset == expected_offset(n, profile, requested, max_extra)
+    assert 0 <= max(0, n - tail) - plan.replay_offset <= max_extra
     if profile.checkpoint_unit > 0:
         assert plan.checkpoint == vllm_mamba_checkpoint(n, profile.checkpoint_unit, profile.eagle_drop)
     else:
@@ -128,7 +128,7 @@ def test_configured_floor_and_checkpoint_trade_combine(n, profile, requested, co
     plan is the plan for the larger of the request's hint and the setting."""
     got = plan_handoff(n, profile, requested, configured, max_extra)
     assert got == plan_handoff(n, profile, max(requested, configured), 0, max_extra)
-    assert n - got.offset >= max(min_recompute_tokens(profile), requested, configured) or got.offset == 0
+    assert n - got.replay_offset >= max(min_recompute_tokens(profile), requested, configured) or got.replay_offset == 0
 
 
 @MANY
@@ -141,10 +141,10 @@ def test_p_keeps_the_whole_prompts_checkpoint_when_its_truncation_would_lose_it(
     plan = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra)
     keep = checkpoint_to_keep(plan, profile)
     unit = profile.checkpoint_unit
-    truncated = vllm_mamba_checkpoint(plan.offset, unit, profile.eagle_drop) if unit else 0
+    truncated = vllm_mamba_checkpoint(plan.replay_offset, unit, profile.eagle_drop) if unit else 0
     needed = plan.checkpoint + (unit if profile.eagle_drop else 0)
-    if unit and plan.checkpoint > 0 and needed <= plan.offset and plan.checkpoint != truncated:
-        assert keep == plan.checkpoint == plan.offset  # the end of P's prefill: no extra chunk
+    if unit and plan.checkpoint > 0 and needed <= plan.replay_offset and plan.checkpoint != truncated:
+        assert keep == plan.checkpoint == plan.replay_offset  # the end of P's prefill: no extra chunk
         assert not profile.eagle_drop
     else:
         assert keep == 0
@@ -169,7 +169,7 @@ def test_p_pins_its_checkpoint_only_where_vllm_set_no_junction_of_its_own():
 
 @pytest.mark.parametrize("n", [0, -1, -100])
 def test_choose_offset_for_empty_prompt_is_zero(n):
-    assert plan_handoff(n, RecomputeProfile(has_recurrent_state=True)).offset == 0
+    assert plan_handoff(n, RecomputeProfile(has_recurrent_state=True)).replay_offset == 0
     assert plan_handoff(n, RecomputeProfile(checkpoint_unit=16), max_checkpoint_recompute=10**6) == HandoffPlan(0)
 
 
@@ -181,7 +181,7 @@ def test_choose_offset_equals_vllm_implicit_rule_exhaustive():
             for requested in range(b + 1):
                 for n in range(1, 300):
                     expected = (n - b if n > b else 0) if b >= 1 else n - 1
-                    assert plan_handoff(n, profile, requested).offset == expected, (n, profile)
+                    assert plan_handoff(n, profile, requested).replay_offset == expected, (n, profile)
 
 
 @FAST
@@ -197,7 +197,7 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
     profile = RecomputeProfile(has_recurrent_state=recurrent, prefill_lookahead=lookahead)
     b = vllm_backoff(profile)
     requested = data.draw(st.integers(0, b), label="requested")
-    offset = plan_handoff(n, profile, requested).offset
+    offset = plan_handoff(n, profile, requested).replay_offset
     if b >= 1:
         # vLLM truncates only when N > b; otherwise D recomputes the whole prompt (offset 0).
         assert offset == (n - b if n > b else 0)
@@ -229,7 +229,7 @@ def test_choose_offset_equals_vllm_implicit_rule(n, recurrent, lookahead, data):
     ],
 )
 def test_choose_offset_examples(n, profile, requested, max_extra, expected):
-    assert plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).offset == expected
+    assert plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).replay_offset == expected
 
 
 @FAST
@@ -240,7 +240,7 @@ def test_bounded_replay_backs_off_one_token_like_vllm_not_its_window(n, lookahea
     away up to a window of P's work on every handoff."""
     profile = RecomputeProfile(bounded_replay=True, prefill_lookahead=lookahead)
     assert min_recompute_tokens(profile) == vllm_backoff(profile) == max(1, lookahead - 1)
-    assert plan_handoff(n, profile).offset == max(0, n - vllm_backoff(profile))
+    assert plan_handoff(n, profile).replay_offset == max(0, n - vllm_backoff(profile))
 
 
 ALL_PROFILES = [
@@ -262,7 +262,7 @@ def test_choose_offset_exhaustive_small_prompts():
             tail = max(need, requested)
             for max_extra in (0, 10**6):
                 for n in range(1, 97):
-                    offset = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).offset
+                    offset = plan_handoff(n, profile, requested, max_checkpoint_recompute=max_extra).replay_offset
                     ctx = (n, profile, requested, max_extra, offset)
                     assert 0 <= offset < n, ctx
                     assert offset == 0 or n - offset >= tail, ctx
@@ -296,14 +296,14 @@ def test_unbounded_trade_is_vllm_checkpoint_with_and_without_eagle():
             for n in range(1, 400):
                 checkpoint = vllm_mamba_checkpoint(n, unit, eagle)
                 expected = checkpoint if checkpoint > 0 else n - 1
-                assert plan_handoff(n, profile, max_checkpoint_recompute=10**9).offset == expected, (n, unit, eagle)
+                assert plan_handoff(n, profile, max_checkpoint_recompute=10**9).replay_offset == expected, (n, unit, eagle)
 
 
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
 def test_choose_offset_monotone_in_requested(n, profile, r1, r2):
     lo, hi = sorted((r1, r2))
-    assert plan_handoff(n, profile, hi).offset <= plan_handoff(n, profile, lo).offset
+    assert plan_handoff(n, profile, hi).replay_offset <= plan_handoff(n, profile, lo).replay_offset
 
 
 # A little arithmetic sanity of vllm_backoff above, independent of the module.
@@ -322,9 +322,9 @@ def test_vllm_backoff_helper_matches_vllm_backoff_table():
 def test_configured_floor_is_one_more_floor_on_the_tail(n, profile, requested, configured):
     """R = N - max(P's own minimum, the router's request, P's setting), then the grid: the
     setting acts exactly as a request of the same size would, whichever of the two is larger."""
-    got = plan_handoff(n, profile, requested, configured).offset
-    assert got == plan_handoff(n, profile, max(requested, configured)).offset
-    assert got == plan_handoff(n, profile, configured, requested).offset
+    got = plan_handoff(n, profile, requested, configured).replay_offset
+    assert got == plan_handoff(n, profile, max(requested, configured)).replay_offset
+    assert got == plan_handoff(n, profile, configured, requested).replay_offset
     if got > 0:
         assert n - got >= max(min_recompute_tokens(profile), requested, configured)
 
@@ -332,14 +332,14 @@ def test_configured_floor_is_one_more_floor_on_the_tail(n, profile, requested, c
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 6000))
 def test_configured_floor_zero_changes_nothing(n, profile, requested):
-    assert plan_handoff(n, profile, requested, 0).offset == plan_handoff(n, profile, requested).offset
+    assert plan_handoff(n, profile, requested, 0).replay_offset == plan_handoff(n, profile, requested).replay_offset
 
 
 @FAST
 @given(prompt_lengths, profiles, st.integers(0, 100), st.integers(0, 100))
 def test_choose_offset_monotone_in_configured_floor(n, profile, c1, c2):
     lo, hi = sorted((c1, c2))
-    assert plan_handoff(n, profile, 0, hi).offset <= plan_handoff(n, profile, 0, lo).offset
+    assert plan_handoff(n, profile, 0, hi).replay_offset <= plan_handoff(n, profile, 0, lo).replay_offset
 
 
 # --- offered_offset / requested_min_recompute: P's finish-time rule, the router's field ----------
@@ -382,18 +382,18 @@ def test_whole_prompt_plan_resumes_only_where_p_keeps_the_state(n, profile, requ
     tail = max(min_recompute_tokens(profile), requested)
     truncated = plan_handoff(n, profile, requested, max_checkpoint_recompute=bound)
     assert not truncated.whole_prompt
-    assert plan.offset == 0 or n - plan.offset >= tail
+    assert plan.replay_offset == 0 or n - plan.replay_offset >= tail
     if bound is not None:
-        assert max(0, n - tail) - plan.offset <= bound
+        assert max(0, n - tail) - plan.replay_offset <= bound
     if not plan.whole_prompt:
         assert plan == truncated
     elif profile.has_recurrent_state:
-        assert plan.offset == checkpoint == plan.checkpoint and checkpoint in states
+        assert plan.replay_offset == checkpoint == plan.checkpoint and checkpoint in states
     else:
-        assert plan.offset == n - tail > 0
+        assert plan.replay_offset == n - tail > 0
     reachable = profile.checkpoint_unit and 0 < checkpoint <= n - tail and checkpoint in states
     if profile.has_recurrent_state and bound is None and reachable:
-        assert plan.whole_prompt and plan.offset == checkpoint
+        assert plan.whole_prompt and plan.replay_offset == checkpoint
 
 
 def test_whole_prompt_plan_examples():
@@ -407,7 +407,7 @@ def test_whole_prompt_plan_examples():
     # P does not keep the checkpoint (e.g. multi-module MTP's re-prefillable tail): truncate.
     assert plan_handoff(133, hybrid, max_checkpoint_recompute=None, whole_prompt_states=()) == HandoffPlan(132, 128)
     # The EAGLE drop on a prompt of whole units: C = N - u, D recomputes a unit.
-    assert plan_handoff(64, eagle, max_checkpoint_recompute=None, whole_prompt_states=(48,)).offset == 48
+    assert plan_handoff(64, eagle, max_checkpoint_recompute=None, whole_prompt_states=(48,)).replay_offset == 48
     # Attention only: the whole prompt, R = N - 1; not under a sliding window (no states given).
     assert plan_handoff(40, RecomputeProfile(), whole_prompt_states=()) == HandoffPlan(39, whole_prompt=True)
     assert plan_handoff(40, RecomputeProfile()) == HandoffPlan(39)

@@ -117,7 +117,7 @@ BLOCKS = [[3, 4, 5], [9]]
 
 def granted_table(deadline=100.0, offset=40, blocks=BLOCKS):
     t = LeaseTable()
-    t.grant("a", deadline=deadline, offset=offset, block_ids=blocks)
+    t.grant("a", deadline=deadline, replay_offset=offset, block_ids=blocks)
     return t
 
 
@@ -222,7 +222,7 @@ def test_claim_after_completion_is_refused_at_once_not_left_pending():
 
 def test_claim_with_another_prompt_fingerprint_is_refused_and_changes_nothing():
     t = LeaseTable()
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, fingerprint="1:aa")
+    t.grant("a", deadline=100.0, replay_offset=40, block_ids=BLOCKS, fingerprint="1:aa")
     outcome, why = t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", fingerprint="1:bb")
     assert outcome == PROMPT_MISMATCH and "1:aa" in why and "1:bb" in why
     assert t.claim("a", 40, BLOCKS, now=0.0, extend_to=500.0, reader="r", fingerprint="")[0] == PROMPT_MISMATCH
@@ -231,7 +231,7 @@ def test_claim_with_another_prompt_fingerprint_is_refused_and_changes_nothing():
 
 def test_lease_for_n_requests_ends_after_a_reader_of_each():
     t = LeaseTable()
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=2)
+    t.grant("a", deadline=100.0, replay_offset=40, block_ids=BLOCKS, requests=2)
     for reader in ("d#0/0_x", "d#0/1_x"):
         assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader=reader)[0] == GRANTED
     assert t.complete("a", 2.0, reader="d#0/0_x") is False
@@ -244,7 +244,7 @@ def test_blocks_are_never_freed_under_a_granted_read():
     """One announced request, two readers granted (n = 2 behind a router that did not say so):
     the first completion must not free the blocks the second is still reading."""
     t = LeaseTable(claim_seconds=5.0)
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS)
+    t.grant("a", deadline=100.0, replay_offset=40, block_ids=BLOCKS)
     assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
     assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="B")[0] == GRANTED
     assert t.complete("a", 2.0, reader="A") is False
@@ -255,7 +255,7 @@ def test_blocks_are_never_freed_under_a_granted_read():
 
 def test_whole_release_waits_for_granted_readers_and_refuses_new_claims():
     t = LeaseTable()
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=3)
+    t.grant("a", deadline=100.0, replay_offset=40, block_ids=BLOCKS, requests=3)
     assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
     assert t.complete("a", 2.0) is False  # D's scheduler released it: A still reads
     assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="B")[0] == ENDED
@@ -267,7 +267,7 @@ def test_readers_still_due_get_the_claim_deadline_not_the_extended_lease():
     """An announced request that never comes (a router that said n = 2 and sent one) holds the
     blocks for the time a claim needs after the last reader is done, not lease_seconds."""
     t = LeaseTable(claim_seconds=5.0)
-    t.grant("a", deadline=10.0, offset=40, block_ids=BLOCKS, requests=2)
+    t.grant("a", deadline=10.0, replay_offset=40, block_ids=BLOCKS, requests=2)
     assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader="A")[0] == GRANTED
     assert t.complete("a", 20.0, reader="A") is False
     assert t.expire(24.9) == []
@@ -276,7 +276,7 @@ def test_readers_still_due_get_the_claim_deadline_not_the_extended_lease():
 
 def test_a_reader_that_completed_cannot_claim_again():
     t = LeaseTable()
-    t.grant("a", deadline=100.0, offset=40, block_ids=BLOCKS, requests=2)
+    t.grant("a", deadline=100.0, replay_offset=40, block_ids=BLOCKS, requests=2)
     t.complete("a", 1.0, reader="A")
     assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="A")[0] == ENDED
     assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="B")[0] == GRANTED
@@ -302,7 +302,7 @@ def test_no_lease_ends_under_a_granted_reader_except_at_its_deadline(requests, o
     ends by completion only once every reader granted a claim has completed; each id finishes
     once."""
     t = LeaseTable(claim_seconds=7.0)
-    t.grant("a", deadline=20.0, offset=1, block_ids=[[1]], fingerprint="d", requests=requests)
+    t.grant("a", deadline=20.0, replay_offset=1, block_ids=[[1]], fingerprint="d", requests=requests)
     now, granted, done, finished = 0.0, set(), set(), 0
     for op, reader, dt in ops:
         now += dt / 5
@@ -508,7 +508,7 @@ def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
 
 def test_a_lease_with_two_readers_ends_after_both_and_a_repeat_counts_once():
     t = LeaseTable()
-    t.grant("r", deadline=100.0, offset=3, block_ids=[[1]])
+    t.grant("r", deadline=100.0, replay_offset=3, block_ids=[[1]])
     assert t.claim("r", 3, [[1]], now=1.0, extend_to=50.0, readers=2)[0] == GRANTED
     assert not t.complete("r", 2.0, reader="d#0/x", readers=2)
     assert not t.complete("r", 2.1, reader="d#0/x", readers=2)  # the same reader again
@@ -575,7 +575,7 @@ def test_a_repeated_early_release_is_remembered_from_the_latest_one():
 
 def test_no_claim_or_extension_keeps_a_lease_past_max_hold():
     t = LeaseTable(max_hold=10.0)
-    t.grant("a", deadline=3.0, offset=4, block_ids=[[1]], now=0.0)
+    t.grant("a", deadline=3.0, replay_offset=4, block_ids=[[1]], now=0.0)
     assert t.claim("a", 4, [[1]], now=1.0, extend_to=8.0, reader="d#0")[0] == GRANTED
     assert t.held_seconds("a", 1.0) == 7.0
     for now in (5.0, 8.0, 9.5):
@@ -591,7 +591,7 @@ def test_a_claim_past_the_hold_cap_is_refused_as_expired_not_granted_a_0s_hold()
     grant found the lease live and was granted a hold capped at 0 s: D read, discarded the READ
     as lease_lost and recomputed. Now refused as expired, and nothing is granted."""
     t = LeaseTable(max_hold=10.0)
-    t.grant("a", deadline=30.0, offset=4, block_ids=[[1]], now=0.0)
+    t.grant("a", deadline=30.0, replay_offset=4, block_ids=[[1]], now=0.0)
     for now in (20.0, 10.0):  # past the cap, and at it (a 0 s hold either way)
         outcome, why = t.claim("a", 4, [[1]], now=now, extend_to=now + 120.0, reader="d#0")
         assert outcome == EXPIRED and "hold cap" in why and "max_hold_seconds" in why
@@ -601,7 +601,7 @@ def test_a_claim_past_the_hold_cap_is_refused_as_expired_not_granted_a_0s_hold()
 
 def test_negative_control_a_claim_just_inside_the_hold_cap_is_still_granted_what_is_left():
     t = LeaseTable(max_hold=10.0)
-    t.grant("a", deadline=30.0, offset=4, block_ids=[[1]], now=0.0)
+    t.grant("a", deadline=30.0, replay_offset=4, block_ids=[[1]], now=0.0)
     assert t.claim("a", 4, [[1]], now=9.0, extend_to=129.0, reader="d#0")[0] == GRANTED
     assert t.held_seconds("a", 9.0) == 1.0
 
@@ -614,7 +614,7 @@ def test_every_granted_claim_confirms_a_positive_hold(max_hold, deadline, now, l
     """Whatever the cap, first deadline and claim time: a claim is granted iff the hold it would
     confirm is positive, else refused as expired."""
     t = LeaseTable(max_hold=max_hold)
-    t.grant("a", deadline=deadline, offset=0, block_ids=[[1]], now=0.0)
+    t.grant("a", deadline=deadline, replay_offset=0, block_ids=[[1]], now=0.0)
     outcome, _ = t.claim("a", 0, [[1]], now=now, extend_to=now + lease, reader="d#0")
     if now < min(deadline, max_hold):
         assert outcome == GRANTED and t.held_seconds("a", now) > 0
@@ -624,7 +624,7 @@ def test_every_granted_claim_confirms_a_positive_hold(max_hold, deadline, now, l
 
 def test_an_expiry_after_every_reader_completed_is_not_counted_as_under_a_read():
     t = LeaseTable()
-    t.grant("a", deadline=3.0, offset=4, block_ids=[[1]], requests=2, now=0.0)
+    t.grant("a", deadline=3.0, replay_offset=4, block_ids=[[1]], requests=2, now=0.0)
     t.claim("a", 4, [[1]], now=1.0, extend_to=2.0, reader="d#0")
     t.complete("a", 1.5, reader="d#0")
     assert t.expire(5.0) == ["a"] and t.expired_reading_total == 0

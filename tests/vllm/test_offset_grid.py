@@ -34,9 +34,9 @@ def test_plan_lands_on_vllms_checkpoint_only_within_budget(n, unit, lookahead, d
     checkpoint = get_mamba_prefill_checkpoint_position(n, unit, drop)
     assert plan.checkpoint == checkpoint
     if 0 < checkpoint and n - tail - budget <= checkpoint <= n - tail:
-        assert plan.offset == checkpoint
+        assert plan.replay_offset == checkpoint
     else:
-        assert plan.offset == max(0, n - tail)
+        assert plan.replay_offset == max(0, n - tail)
 
 
 # --- the drop decision is vLLM's own, per speculative method ------------------------------------
@@ -100,11 +100,11 @@ def test_eagle_drop_and_offset_follow_vllms_scheduler(models, name, disable_drop
     tail = min_recompute_tokens(profile)
     for n in range(1, 4 * 16 + 3):
         checkpoint = get_mamba_prefill_checkpoint_position(n, unit, manager.drop_eagle_checkpoint_block, **lookahead)
-        assert plan_handoff(n, profile).offset == max(0, n - tail), n
+        assert plan_handoff(n, profile).replay_offset == max(0, n - tail), n
         traded = plan_handoff(n, profile, max_checkpoint_recompute=10**6)
         assert traded.checkpoint == checkpoint, n
         # The checkpoint when there is one D can resume from (below N - tail), else N - tail.
-        assert traded.offset == (checkpoint if 0 < checkpoint <= n - tail else max(0, n - tail)), n
+        assert traded.replay_offset == (checkpoint if 0 < checkpoint <= n - tail else max(0, n - tail)), n
 
 
 @pytest.mark.parametrize("disable_drop", [False, True], ids=["drop-default", "drop-disabled"])

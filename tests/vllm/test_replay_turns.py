@@ -73,7 +73,7 @@ def _check_conversation(aggregated, prompt_only, p, d, turn1, turn2_tail, ctx):
     _, params, _ = _serve(p, turn1, dict(P_PARAMS), max_tokens=1)
     plan = _expected_plan(p, n)
     r = params["replay_offset"]
-    assert r == plan.offset, (ctx, r, plan)
+    assert r == plan.replay_offset, (ctx, r, plan)
     if plan.whole_prompt and r < n:
         assert r == plan.checkpoint
         # The state at R is P's checkpoint there, not its tip.
@@ -103,7 +103,7 @@ def test_replay_resumes_on_ps_checkpoint_and_reuses_what_aggregated_serving_does
             aggregated, prompt_only, p, d, random_prompt(n, 4000 + 17 * i), random_prompt(2 * B + 5, 4001 + 17 * i),
             (config, n),
         )
-        on_checkpoint += plan.whole_prompt and plan.offset < n - tail
+        on_checkpoint += plan.whole_prompt and plan.replay_offset < n - tail
     # The lengths reach the case this plan exists for: a checkpoint below N - tail.
     assert on_checkpoint, config
 

@@ -338,4 +338,4 @@ def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_wi
     )
     profile = profile_from_vllm(config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)]))
     assert profile.bounded_replay and min_recompute_tokens(profile) == 1
-    assert plan_handoff(1000, profile).offset == 999
+    assert plan_handoff(1000, profile).replay_offset == 999

@@ -139,7 +139,7 @@ class DecodeScheduler:
             if decision.release is not None:
                 self._queue_release(decision.release, f"refused ({decision.kind}): {decision.reason}", request.request_id)
             return
-        if decision.offset == 0:
+        if decision.replay_offset == 0:
             self.recorder.count("handoff_empty")
             return
         lease = decision.params.pd_lease_seconds
@@ -149,7 +149,7 @@ class DecodeScheduler:
         if self._checkpoints is not None:
             withheld = not self.places_checkpoints(request, params)
             prompt_len = handoff.checkpoint_prompt_length(decision, request.num_prompt_tokens)
-            placed = self._checkpoints.placeable(params, prompt_len, decision.offset, withheld)
+            placed = self._checkpoints.placeable(params, prompt_len, decision.replay_offset, withheld)
             if placed:
                 decision = msgspec.structs.replace(decision, checkpoints=placed)
         self._decisions[request.request_id] = decision
@@ -191,9 +191,9 @@ class DecodeScheduler:
 
     def num_tokens_to_load(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         decision = self._decisions.get(request.request_id)
-        if decision is None or decision.offset <= num_computed_tokens:
+        if decision is None or decision.replay_offset <= num_computed_tokens:
             return 0, False
-        return decision.offset - num_computed_tokens, True
+        return decision.replay_offset - num_computed_tokens, True
 
     def admit(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         decision = self._decisions.pop(request.request_id, None)
@@ -226,7 +226,7 @@ class DecodeScheduler:
         for admitted in self._to_pair:
             self._to_recv[admitted.request_id] = self.recv_task(admitted)
             params = admitted.decision.params
-            recompute = admitted.num_prompt_tokens - admitted.decision.offset
+            recompute = admitted.num_prompt_tokens - admitted.decision.replay_offset
             tails.append(recompute)
             pair = f"{params.tp_size}->{self._tp_size}"
             tp_pairs[pair] = tp_pairs.get(pair, 0) + 1
@@ -246,8 +246,8 @@ class DecodeScheduler:
                 self.layouts,
                 params.remote_block_ids,
                 admitted.tables,
-                decision.offset,
-                decision.offset - admitted.num_external_tokens,  # D's own (block-aligned) prefix hit
+                decision.replay_offset,
+                decision.replay_offset - admitted.num_external_tokens,  # D's own (block-aligned) prefix hit
                 block_ids=_vllm_block_ids,
                 # HandoffParams.remote_block_ids are params.BlockId: range-checked when decoded.
                 remote_checked=True,
@@ -291,7 +291,7 @@ class DecodeScheduler:
             admitted.num_external_tokens,
             params.remote_engine_id,
             pair,
-            admitted.decision.offset,
+            admitted.decision.replay_offset,
             recompute,
             " (first handoff from this prefill engine; the next ones are logged at DEBUG)" if first else "",
         )

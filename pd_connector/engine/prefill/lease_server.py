@@ -95,7 +95,7 @@ class LeaseServer:
         with self._lock:
             for request_id, lease in leases.items():
                 self._leases.grant(
-                    request_id, lease.deadline, lease.offset, lease.block_ids, lease.fingerprint, lease.requests, now,
+                    request_id, lease.deadline, lease.replay_offset, lease.block_ids, lease.fingerprint, lease.requests, now,
                     checkpoints=lease.checkpoints,
                 )
         self.server.kick()  # claims that overtook these leases are answered now

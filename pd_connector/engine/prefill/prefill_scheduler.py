@@ -45,7 +45,7 @@ class _Chosen(NamedTuple):
     """What was decided for a request when it arrived (kept here, not in the request's
     kv_transfer_params, which the client controls)."""
 
-    offset: int
+    replay_offset: int
     fingerprint: str = ""
     decode_requests: int = 1
     # The shared-prefix junction P pins: the whole prompt's checkpoint, kept past the truncation
@@ -140,7 +140,7 @@ class PrefillScheduler:
                 first_token=resume == RESUME_FIRST_TOKEN,
                 whole_prompt_states=checkpoints.whole_prompt_states(request.num_prompt_tokens, self.checkpoints.rule, self.layouts),
             )
-        offset = plan.offset
+        offset = plan.replay_offset
         fingerprint = ""
         if offset > 0:
             # None (a multimodal item's data is not in this engine): nothing D could check.
@@ -154,7 +154,7 @@ class PrefillScheduler:
         request.max_tokens = 1
 
     def _prefill(self, request: "Request", plan: handoff.HandoffPlan) -> tuple[int, int]:
-        """Set up P's prefill for handing over ``plan.offset`` tokens: the checkpoints to pin and the
+        """Set up P's prefill for handing over ``plan.replay_offset`` tokens: the checkpoints to pin and the
         junction to keep; truncate the prompt unless the plan computes it whole. Returns (the
         junction, the prompt tokens P computes)."""
         rule, n = self.checkpoints.rule, request.num_prompt_tokens
@@ -168,7 +168,7 @@ class PrefillScheduler:
             del request.prompt_token_ids[computes:]
             del request._all_token_ids[computes:]
             request.num_prompt_tokens = computes
-        logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, plan.offset)
+        logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, plan.replay_offset)
         return keep, computes
 
     def keep_prompt_checkpoint(self, request: "Request") -> None:
@@ -227,7 +227,7 @@ class PrefillScheduler:
         out = self._returned_params(request, offset, source, chosen.fingerprint, states, first_token)
         self.to_send[request.request_id] = SendLease(
             deadline=now + self._initial_lease,
-            offset=offset,
+            replay_offset=offset,
             block_ids=source,
             fingerprint=chosen.fingerprint,
             requests=chosen.decode_requests,
@@ -241,15 +241,15 @@ class PrefillScheduler:
 
     def _source_blocks(self, request: "Request", chosen: _Chosen, block_ids: tuple[list[int], ...]):
         """(the offset P may hand over, the blocks carrying it); offset 0: nothing."""
-        offset = handoff.offered_offset(chosen.offset, request.num_computed_tokens, chosen.computes)
-        if offset != chosen.offset:
+        offset = handoff.offered_offset(chosen.replay_offset, request.num_computed_tokens, chosen.computes)
+        if offset != chosen.replay_offset:
             logger.warning(
                 "pd_connector: %s computed %d tokens, not the %d planned for the replay offset %d; "
                 "handing over nothing (the decode instance will prefill locally)",
                 request.request_id,
                 request.num_computed_tokens,
                 chosen.computes,
-                chosen.offset,
+                chosen.replay_offset,
             )
             self.recorder.count("p_offset_not_computed")
         source: list[list[int]] = []
