@@ -1,7 +1,7 @@
 """A P/D deployment for tests, the demo and the integration script: an aggregated baseline,
 P and D vLLM servers with PDConnector, and our proxy, all on loopback.
 
-Shared by ``tests/e2e``, ``pd_connector.dev.demo`` and ``scripts/integration.py`` so that each
+Shared by ``tests/e2e``, ``examples/demo.py`` and ``scripts/integration.py`` so that each
 server configuration is started once per run and driven the same way everywhere.
 """
 

@@ -11,7 +11,7 @@ any mismatch.
                  tokens: D refuses P's offset and recomputes, or, with --hint, the proxy passes
                  D's requirement to P and the handoff is honoured).
 
-Built on ``pd_connector.dev.demo`` (``run_prompts``, ``print_table``) and
+Built on ``rig.handoff_table`` (``run_prompts``, ``print_table``) and
 ``rig.stack`` (baseline + P + D + proxy), with the CPU model matrix of
 ``rig.cpu_matrix``. It starts vLLM servers: on a shared box run it under
 ``flock /tmp/pd-e2e.lock``. Not a benchmark (those are ``python -m benchmarks``).
