@@ -25,13 +25,13 @@ from collections.abc import Sequence
 READ_WAIT_FRACTION = 0.125
 
 
-def should_wait_for_news(idle_step: bool, wait_s: float, reading: bool, leases_held: int, loads_pending: bool) -> bool:
-    """True iff the step scheduled nothing (``idle_step``), waiting is configured (``wait_s`` >
-    0), no READ is in flight (``reading``; how long a step with one waits: ``idle_step_wait``),
-    and there is connector work that news can advance: P holds leases (``leases_held``) or D has
-    loads pending (``loads_pending``). With neither, vLLM would not be stepping on the
-    connector's behalf, so there is nothing to wait for."""
-    if not idle_step or wait_s <= 0 or reading:
+def should_wait_for_news(idle_step: bool, wait_s: float, leases_held: int, loads_pending: bool) -> bool:
+    """With no READ in flight (a step with one waits as ``idle_step_wait`` says): True iff the
+    step scheduled nothing (``idle_step``), waiting is configured (``wait_s`` > 0), and there is
+    connector work that news can advance: P holds leases (``leases_held``) or D has loads
+    pending (``loads_pending``). With neither, vLLM would not be stepping on the connector's
+    behalf, so there is nothing to wait for."""
+    if not idle_step or wait_s <= 0:
         return False
     return leases_held > 0 or loads_pending
 
@@ -50,7 +50,7 @@ def idle_step_wait(
         if any(waited is None for waited in reads):
             return 0.0
         return min(wait_s, READ_WAIT_FRACTION * max(0.0, min(reads)))
-    return wait_s if should_wait_for_news(idle_step, wait_s, False, leases_held, loads_pending) else 0.0
+    return wait_s if should_wait_for_news(idle_step, wait_s, leases_held, loads_pending) else 0.0
 
 
 def idle_wait_seconds(idle_step_wait_ms: float, dp_lockstep: bool) -> float:

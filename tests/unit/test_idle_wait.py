@@ -9,23 +9,23 @@ WAIT_S = 0.002  # the default idle_step_wait_ms
 
 
 def test_idle_step_with_leases_held_waits():
-    assert should_wait_for_news(True, WAIT_S, reading=False, leases_held=1, loads_pending=False)
+    assert should_wait_for_news(True, WAIT_S, leases_held=1, loads_pending=False)
 
 
 def test_idle_step_with_loads_pending_waits():
-    assert should_wait_for_news(True, WAIT_S, reading=False, leases_held=0, loads_pending=True)
+    assert should_wait_for_news(True, WAIT_S, leases_held=0, loads_pending=True)
 
 
 def test_step_that_scheduled_work_never_waits():
-    assert not should_wait_for_news(False, WAIT_S, reading=False, leases_held=3, loads_pending=True)
+    assert not should_wait_for_news(False, WAIT_S, leases_held=3, loads_pending=True)
 
 
 def test_wait_disabled_by_zero_idle_step_wait_ms():
-    assert not should_wait_for_news(True, 0.0, reading=False, leases_held=3, loads_pending=True)
+    assert not should_wait_for_news(True, 0.0, leases_held=3, loads_pending=True)
 
 
 def test_nothing_to_wait_for_without_leases_or_loads():
-    assert not should_wait_for_news(True, WAIT_S, reading=False, leases_held=0, loads_pending=False)
+    assert not should_wait_for_news(True, WAIT_S, leases_held=0, loads_pending=False)
 
 
 @given(
@@ -34,21 +34,22 @@ def test_nothing_to_wait_for_without_leases_or_loads():
     leases_held=st.integers(min_value=0, max_value=10_000),
     loads_pending=st.booleans(),
 )
-def test_the_news_rule_never_waits_the_whole_bound_while_a_read_is_in_flight(idle_step, wait_s, leases_held, loads_pending):
-    """With a READ in flight the wait follows the READ (idle_step_wait, below), not the bound."""
-    assert not should_wait_for_news(idle_step, wait_s, True, leases_held, loads_pending)
+def test_a_step_with_a_read_in_flight_never_waits_the_news_bound(idle_step, wait_s, leases_held, loads_pending):
+    """With a READ in flight the wait follows the READ (idle_step_wait, below), not the bound:
+    a slice in NIXL's hands for 1 ms allows an eighth of it, a slice due none."""
+    assert idle_step_wait(idle_step, wait_s, leases_held, loads_pending, reads=(0.001,)) <= READ_WAIT_FRACTION * 0.001
+    assert idle_step_wait(idle_step, wait_s, leases_held, loads_pending, reads=(None,)) == 0.0
 
 
 @given(
     idle_step=st.booleans(),
     wait_s=st.floats(min_value=0.0, max_value=1.0),
-    reading=st.booleans(),
     leases_held=st.integers(min_value=0, max_value=10_000),
     loads_pending=st.booleans(),
 )
-def test_waits_exactly_when_every_condition_holds(idle_step, wait_s, reading, leases_held, loads_pending):
-    expected = idle_step and wait_s > 0 and not reading and (leases_held > 0 or loads_pending)
-    assert should_wait_for_news(idle_step, wait_s, reading, leases_held, loads_pending) == expected
+def test_waits_exactly_when_every_condition_holds(idle_step, wait_s, leases_held, loads_pending):
+    expected = idle_step and wait_s > 0 and (leases_held > 0 or loads_pending)
+    assert should_wait_for_news(idle_step, wait_s, leases_held, loads_pending) == expected
 
 
 def test_dp_ranks_in_lockstep_never_wait():
@@ -108,5 +109,5 @@ def test_the_wait_backs_off_as_a_read_stays_in_flight(wait_s, a, b):
 
 @given(idle_step=st.booleans(), wait_s=waits, leases_held=st.integers(0, 100), loads_pending=st.booleans())
 def test_without_reads_it_waits_the_whole_bound_exactly_when_news_is_waited_for(idle_step, wait_s, leases_held, loads_pending):
-    expected = wait_s if should_wait_for_news(idle_step, wait_s, False, leases_held, loads_pending) else 0.0
+    expected = wait_s if should_wait_for_news(idle_step, wait_s, leases_held, loads_pending) else 0.0
     assert idle_step_wait(idle_step, wait_s, leases_held, loads_pending, ()) == expected
