@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import math
 import os
-from unittest import mock
 
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as pd_connector.transport.nixl does
 
 import numpy as np
 import torch
 
-from pd_connector.core import layout
+from pd_connector.core import descriptors
 from benchmarks import transfer_paths as paths
 from benchmarks.transfer_report import Result, progress
 from benchmarks.transfer_shapes import KERNEL_BLOCK, MODELS, MiB, build_side, choose_blocks, geometry
+from pd_connector.core.read_plan import Planner
 from pd_connector.core.settings import ConnectorSettings
 from pd_connector.transport.nixl import NixlTransport
+from rig import nixl_peers
 
 KEY, UNPACKED = paths.KEY, "bench-p-unpacked"
 
@@ -50,6 +51,7 @@ class Bench:
         self.kernel_block = KERNEL_BLOCK[self.device.type]
         self.rng = np.random.default_rng(args.seed)
         self.cma: dict[str, paths.CmaRead] = {}
+        self.planners: dict[str, Planner] = {}  # D's peers of the case running
         self._n = 0
         with _Env(env or {}):
             self.p_t, self.d_t = (
@@ -87,26 +89,28 @@ class Bench:
         )
         self.p_t.register(p_side.allocations, p_side.regions, self.dev)
         self.d_t.register(d_side.allocations, d_side.regions, self.dev)
-        self.d_t.add_peer(KEY, self.p_t.agent_metadata, p_side.regions, self.dev)
+        self.planners = {KEY: nixl_peers.add_peer(self.d_t, KEY, self.p_t.agent_metadata, p_side.regions, self.dev)}
         raws: dict[str, paths.RawNixl] = {}
         try:
             if "unpacked" in variants:  # the pre-packing connector: one row per layer
-                with mock.patch.object(layout, "common_packing", lambda a, b: frozenset()):
-                    self.d_t.add_peer(UNPACKED, self.p_t.agent_metadata, p_side.regions, self.dev)
-            li, ri = self.d_t.planner(KEY).indices(pairs)
+                self.planners[UNPACKED] = nixl_peers.add_peer(
+                    self.d_t, UNPACKED, self.p_t.agent_metadata, p_side.regions, self.dev, packed=False
+                )
+            li, ri = self.planners[KEY].indices(pairs)
             res = Result(
                 section, model, tokens, user_block, geom.block_size,
                 "block-outer" if block_outer else "layer-outer", "scattered" if scattered else "contiguous",
                 f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                self.d_t.planner(KEY).count_runs(li, ri),
+                self.planners[KEY].count_runs(li, ri),
                 knobs={"num_threads": self.num_threads, "chunk_mib": self.chunk // MiB, "checkpoints": checkpoints,
                        "checkpoint_bytes": checkpoints * sum(len(names) * geom.page_bytes
                                                              for kind, names in geom.groups if kind == "mamba")},
                 load=os.getloadavg()[0], contig=self.contiguous_runs(pairs),
             )
             if "unpacked" in variants:
-                uli, uri = self.d_t.planner(UNPACKED).indices(pairs)
-                res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), self.d_t.planner(UNPACKED).count_runs(uli, uri)
+                unpacked = self.planners[UNPACKED]
+                uli, uri = unpacked.indices(pairs)
+                res.knobs["unpacked_desc"], res.knobs["unpacked_runs"] = int(uli.size), unpacked.count_runs(uli, uri)
             self.once("connector", pairs, p_side, d_side, nbytes, {})  # untimed, then checked
             res.verified = verify(p_side, d_side, pairs, geom.page_bytes)
             raws["raw"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev)
@@ -114,7 +118,7 @@ class Bench:
                 raws["raw_threads"] = paths.RawNixl(self.d_t, p_side.base, d_side.base, nbytes, self.dev, self.num_threads)
             if "cma_runs" in variants:
                 self.cma = {
-                    "cma_runs": paths.CmaRead(*self.d_t.planner(KEY).merged_ranges(li, ri)),
+                    "cma_runs": paths.CmaRead(*self.planners[KEY].merged_ranges(li, ri)),
                     "cma_one": paths.CmaRead(np.array([d_side.base]), np.array([p_side.base]), np.array([nbytes])),
                 }
             stages: dict[str, list[dict]] = {v: [] for v in variants}
@@ -138,9 +142,9 @@ class Bench:
 
     def contiguous_runs(self, pairs) -> int:
         """Runs NIXL would merge the plan into before ``read_plan.cut_long_runs`` cuts them for the
-        worker threads (the benchmark reaches into the transport's peer on purpose)."""
-        planner = self.d_t.planner(KEY)
-        li, ri = layout.plan_indices(pairs, planner.local, planner.remote)
+        worker threads (the benchmark reaches into the planner's rows on purpose)."""
+        planner = self.planners[KEY]
+        li, ri = descriptors.plan_indices(pairs, planner.local, planner.remote)
         return planner.count_runs(li, ri)
 
     def once(self, variant, pairs, p_side, d_side, nbytes, raws) -> dict:
@@ -151,11 +155,11 @@ class Bench:
         if variant in raws:
             st = raws[variant].once(self.notif())
         elif variant == "connector":
-            st = paths.connector_once(self.d_t, pairs, self.notif(), self.chunk)
+            st = paths.connector_once(self.d_t, self.planners[KEY], pairs, self.notif(), self.chunk)
         elif variant == "one_read":  # no slicing: one post per request
-            st = paths.connector_once(self.d_t, pairs, self.notif(), 0)
+            st = paths.connector_once(self.d_t, self.planners[KEY], pairs, self.notif(), 0)
         elif variant == "unpacked":
-            st = paths.connector_once(self.d_t, pairs, self.notif(), self.chunk, key=UNPACKED)
+            st = paths.connector_once(self.d_t, self.planners[UNPACKED], pairs, self.notif(), self.chunk, key=UNPACKED)
         else:
             raise ValueError(variant)
         paths.drain(self.p_t)

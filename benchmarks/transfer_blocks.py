@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from pd_connector.core import block_phases, pairing
+from pd_connector.core import block_phases, pairing, read_plan
 from pd_connector.core.pairing import ATTENTION, GroupLayout
 from benchmarks import report
 from benchmarks.transfer_paths import POLL_S
@@ -70,9 +70,12 @@ def bench_ratio(ratio: Fraction, layout: str, args, rng: np.random.Generator) ->
             (GroupLayout(ATTENTION, bd),), [p_table], (d_table,), args.tokens, 0, remote_block_sizes=[bp]
         )
         plan = block_phases.PhasePlan.of([bp], [bd], [ATTENTION])
-        local, remote = block_phases.peer_regions(d.regions, {0: p.regions}, [0], True, plan, [bd], [bp])[0]
-        d.transport.add_peer("p", p.transport.agent_metadata, remote, local_regions=local, phases=plan if plan.ratio else None)
-        read = d.transport.planner("p").plan(pairs, 0)
+        peer = read_plan.plan_engine(
+            d.regions, {0: p.regions}, [0], True, plan, [bd], [bp],
+            threads=d.transport.threads, copies_in_post=d.transport.copies_in_post,
+        )[0]
+        d.transport.add_peer("p", p.transport.agent_metadata, peer)
+        read = peer.planner.plan(pairs, 0)
         agent = d.transport._agent  # the benchmark reaches into the transport on purpose
         peer = d.transport._peers["p"].agent_name
         raw_local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(d.buf.data_ptr(), read.nbytes, 0)], d.transport.mem_type)

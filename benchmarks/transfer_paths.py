@@ -28,7 +28,9 @@ import torch
 
 from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.idle_wait import idle_step_wait
+from pd_connector.core.read_plan import Planner
 from pd_connector.transport.nixl import DONE, FAILED, ChunkedRead, NixlTransport
+from rig import nixl_peers
 
 KEY = "bench-p"
 POLL_S = 0.0002
@@ -70,12 +72,15 @@ def drain(p_t: NixlTransport, want: int = 1, timeout_s: float = 10.0) -> int:
     return got
 
 
-def connector_once(d_t: NixlTransport, pairs, notif: bytes, chunk_bytes: int, key: str = KEY) -> dict:
-    """receiver.py's per-request path, back to back (an idle engine: a step per slice, each
-    POLL_S plus the idle step's wait, ``IDLE_WAIT_S``), timed end to end; ``post`` = the longest
-    single call into NIXL, i.e. the longest stall of D's engine thread."""
+def connector_once(
+    d_t: NixlTransport, planner: Planner, pairs, notif: bytes, chunk_bytes: int, key: str = KEY
+) -> dict:
+    """receiver.py's per-request path from peer ``key`` (its ``planner``), back to back (an idle
+    engine: a step per slice, each POLL_S plus the idle step's wait, ``IDLE_WAIT_S``), timed end
+    to end; ``post`` = the longest single call into NIXL, i.e. the longest stall of D's engine
+    thread."""
     t0 = time.perf_counter()
-    xfer = ChunkedRead(d_t, key, d_t.planner(key).plan(pairs, chunk_bytes), notif)
+    xfer = ChunkedRead(d_t, key, planner.plan(pairs, chunk_bytes), notif)
     t1 = time.perf_counter()
     longest, deadline = 0.0, t1 + 60.0
     while True:
@@ -238,9 +243,9 @@ def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: i
 
     D's connector does: agent creation + registration at start-up (``register_kv_caches``);
     on the first request from a P, the side-channel handshake (ZMQ, a background thread, not
-    measured here: see ``vllm:pd_handshake_seconds``), then ``add_peer`` (load P's metadata,
-    prepare P's list) and ``connect`` (UCX endpoints) on the engine thread, while the claim
-    round trip is in flight; every later request reuses all of it."""
+    measured here: see ``vllm:pd_handshake_seconds``), then ``add_peer`` (plan the peer, load
+    P's metadata, prepare P's list) and ``connect`` (UCX endpoints) on the engine thread, while
+    the claim round trip is in flight; every later request reuses all of it."""
     out: dict[str, float] = {}
     t = time.perf_counter()
     p_t, d_t = (
@@ -259,13 +264,13 @@ def first_request(p_side, d_side, pairs, mem_type: str, dev: int, chunk_bytes: i
         out["get_metadata"] = time.perf_counter() - t
         out["metadata_bytes"] = len(meta)
         t = time.perf_counter()
-        d_t.add_peer(KEY, meta, p_side.regions, dev)
+        planner = nixl_peers.add_peer(d_t, KEY, meta, p_side.regions, dev)
         out["add_peer"] = time.perf_counter() - t
         t = time.perf_counter()
         d_t.connect(KEY)
         out["connect"] = time.perf_counter() - t
         for label in ("first_read", "second_read", "warm_read"):
-            out[label] = connector_once(d_t, pairs, label.encode(), chunk_bytes)["total"]
+            out[label] = connector_once(d_t, planner, pairs, label.encode(), chunk_bytes)["total"]
             drain(p_t)
     finally:
         d_t.close()

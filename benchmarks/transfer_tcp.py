@@ -89,6 +89,7 @@ def read(workdir: Path) -> int:
     from benchmarks.transfer_bench import case_geometry, verify
     from benchmarks.transfer_report import Result, progress
     from benchmarks.transfer_shapes import KERNEL_BLOCK, MiB, build_side, choose_blocks
+    from rig import nixl_peers
 
     spec = json.loads((workdir / "spec.json").read_text())
     settings = spec["settings"]
@@ -111,24 +112,25 @@ def read(workdir: Path) -> int:
             _wait_for(workdir / f"case{i}.p")
             offer = msgspec.msgpack.decode((workdir / f"case{i}.p").read_bytes())
             d_t.register(d_side.allocations, d_side.regions, 0)
-            d_t.add_peer(KEY, offer["meta"], msgspec.convert(offer["regions"], list[LayerRegion]), 0)
+            regions = msgspec.convert(offer["regions"], list[LayerRegion])
+            planner = nixl_peers.add_peer(d_t, KEY, offer["meta"], regions, 0)
             d_t.connect(KEY)
             raw = None
             try:
-                li, ri = d_t.planner(KEY).indices(pairs)
+                li, ri = planner.indices(pairs)
                 res = Result("tcp", model, tokens, user_block, geom.block_size, "layer-outer",
                              "scattered" if scattered else "contiguous",
                              f"{geom.attn_layers + geom.mamba_layers}/{geom.layers_real}", nbytes, int(li.size),
-                             d_t.planner(KEY).count_runs(li, ri), knobs={"num_threads": settings["num_threads"]},
+                             planner.count_runs(li, ri), knobs={"num_threads": settings["num_threads"]},
                              load=os.getloadavg()[0])
-                paths.connector_once(d_t, pairs, f"tcp-{next(notif)}".encode(), chunk)  # untimed, checked
+                paths.connector_once(d_t, planner, pairs, f"tcp-{next(notif)}".encode(), chunk)  # untimed, checked
                 res.verified = verify(mirror, d_side, pairs, geom.page_bytes)
                 raw = paths.RawNixl(d_t, offer["base"], d_side.base, nbytes, 0)
                 posts: list[float] = []  # the connector's longest call into NIXL per rep
                 for rep in range(spec["warmup"] + spec["reps"]):
                     for variant in ("connector", "raw", "memcpy"):
                         if variant == "connector":
-                            st = paths.connector_once(d_t, pairs, f"tcp-{next(notif)}".encode(), chunk)
+                            st = paths.connector_once(d_t, planner, pairs, f"tcp-{next(notif)}".encode(), chunk)
                         elif variant == "raw":
                             st = raw.once(f"tcp-{next(notif)}".encode())
                         else:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pd_connector.core import shards
+from pd_connector.core import block_phases, read_plan, shards
 from benchmarks import report
 from benchmarks.transfer_paths import POLL_S
 from rig.tp_layouts import KINDS, Model
@@ -68,18 +68,19 @@ def bench_pair(model: Model, p: int, d: int, blocks: int, reps: int, rng: np.ran
         pairs = [list(zip(src.tolist(), dst.tolist()))] * 2
         for j, rank in enumerate(d_ranks):
             ranks = shards.peer_ranks(p, d, j)
-            if p == d:
-                plans = {j: (None, tuple(p_ranks[j].regions))}
-            else:
-                plans = shards.shard_regions(rank.regions, {r: p_ranks[r].regions for r in ranks}, ranks)
+            peers = read_plan.plan_engine(
+                rank.regions, {r: p_ranks[r].regions for r in ranks}, ranks, p == d, block_phases.PhasePlan.of((), (), ()),
+                (), (), threads=rank.transport.threads, copies_in_post=rank.transport.copies_in_post,
+            )
             keys, raws = {}, []
-            for r, (local, remote) in plans.items():
-                if local is not None and not local:
+            plans_of = {}
+            for r, peer in peers.items():
+                if peer is None:
                     continue
                 key = f"p#{r}"
-                rank.transport.add_peer(key, p_ranks[r].transport.agent_metadata, remote, local_regions=local)
+                rank.transport.add_peer(key, p_ranks[r].transport.agent_metadata, peer)
                 keys[r] = key
-            plans_of = {r: rank.transport.planner(key).plan(pairs, 0) for r, key in keys.items()}
+                plans_of[r] = peer.planner.plan(pairs, 0)
             # Raw NIXL: each source rank's bytes as one descriptor between the same two agents.
             agent = rank.transport._agent  # the benchmark reaches into the transport on purpose
             for r, plan in plans_of.items():

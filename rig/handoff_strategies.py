@@ -1,11 +1,12 @@
 """Hypothesis strategies shared by the tests of pd_connector.core.handoff
-(tests/unit/test_handoff_offset.py, tests/unit/test_handoff_decide.py)."""
+(tests/unit/test_handoff_offset.py, tests/unit/test_handoff_decide.py): engine profiles
+(core/recompute_profile.py) and prompt lengths."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pd_connector.core.handoff import RecomputeProfile
+from pd_connector.core.recompute_profile import RecomputeProfile
 
 profiles = st.builds(
     RecomputeProfile,

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pd_connector.core.handoff import RecomputeProfile, plan_handoff, min_recompute_tokens
+from pd_connector.core.handoff import plan_handoff
+from pd_connector.core.recompute_profile import RecomputeProfile, min_recompute_tokens
 from pd_connector.core.params import KEY_MIN_RECOMPUTE, PREFILL_REQUEST_PARAMS
 from rig.oracle import Completion, Verdict, compare, complete
 from rig.placement import cpu_binds

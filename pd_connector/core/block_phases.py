@@ -5,7 +5,7 @@ block of the larger side is cut into ``k`` *phases* of s tokens, and phase j of 
 holds the same tokens as one whole block of the smaller side. D's scheduler pairs sub-blocks
 and names each pair's phase (``pairing.sub_block_pairs``); here, once per peer, each layer of a
 re-cut group becomes one region per phase (``name~j``) in its own *phase group*, on both sides,
-so the descriptor machinery (``layout.py``, ``read_plan.Planner``) moves phase j's pairs like a
+so the descriptor machinery (``descriptors.py``, ``read_plan.Planner``) moves phase j's pairs like a
 group of whole pages. A page's bytes are found from its segments and its token layout: each KV
 head of each kernel block is one run (``shards.attention_page_segments``), and the layer's
 attention backend decides where a token sits inside it (``token_parts``), so token t of head h
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from pd_connector.core.layout import reconcile_regions
+from pd_connector.core.descriptors import reconcile_regions
 from pd_connector.core.pairing import recut_ratio
 from pd_connector.core.protocol import LayerRegion, Segment
 from pd_connector.core.shards import ShardError, shard_regions
@@ -272,9 +272,9 @@ def peer_regions(
     remote_sizes: Sequence[int],
 ) -> RegionPlans:
     """Per P rank: (D's page ranges or None, P's) to read, for every group. Without re-cut
-    groups, at equal TP P's page map as it is (None: the transport reconciles it) and at
-    unequal TP the shard plan; re-cut groups are planned per phase and joined to the rest,
-    the two lists then matched one to one."""
+    groups, at equal TP P's page map as it is (None: ``read_plan.plan_engine`` reconciles it)
+    and at unequal TP the shard plan; re-cut groups are planned per phase and joined to the
+    rest, the two lists then matched one to one."""
     if not plan.ratio:
         if same_tp:
             return {rank: (None, tuple(regions)) for rank, regions in remote_by_rank.items()}

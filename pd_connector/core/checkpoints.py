@@ -1,6 +1,8 @@
-"""Prompt checkpoints below the replay offset: the recurrent states an aggregated server keeps
-in its prefix cache for a prompt, which of them P hands over besides the state at R, and which
-of those D registers (docs/architecture.md, "Prefix caching across the handoff").
+"""Every prompt-checkpoint decision: the recurrent states an aggregated server keeps in its
+prefix cache for a prompt, the one P keeps for its own next turn and the junction it pins, which
+checkpoints below the replay offset P hands over besides the state at R, and which of those D
+registers, for which prompt length (docs/architecture.md, "Prefix caching across the handoff").
+R itself is core/handoff.py's; the engine facts both read are core/recompute_profile.py's.
 
 vLLM's rule (Mamba ``align`` mode, the only mode that keeps states; 0.32 and 0.33 have no
 ``all``): prefilling a prompt of N tokens in one chunk, ``Scheduler._mamba_block_aligned_split``
@@ -26,14 +28,15 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pd_connector.core.handoff import HandoffPlan, RecomputeProfile, checkpoint_to_keep, mamba_checkpoint_position
+from pd_connector.core.handoff import Accepted, HandoffPlan
 from pd_connector.core.pairing import MAMBA, NULL_BLOCK, SLIDING_WINDOW, GroupLayout, cdiv
 from pd_connector.core.protocol import CheckpointBlocks
+from pd_connector.core.recompute_profile import RecomputeProfile, mamba_checkpoint_position
 
 
 class CheckpointRule(msgspec.Struct, frozen=True):
     """What decides where one engine keeps a prompt's recurrent states (from its vLLM config,
-    engine/checkpoint_pool.py ``checkpoint_rule_from_vllm``): the engine's ``profile`` (its unit
+    engine/from_vllm/vllm_config.py ``checkpoint_rule_from_vllm``): the engine's ``profile`` (its unit
     u, EAGLE drop and lookahead, described once there) plus what only checkpoints depend on.
     Unit 0: no prefix caching of recurrent state (``mamba_cache_mode`` none), no checkpoint."""
 
@@ -152,6 +155,35 @@ def kept_checkpoints(
     return tuple(sorted(kept))
 
 
+def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
+    """The prompt checkpoint P must ask vLLM to keep for its own next turn, or 0.
+
+    P computes a prompt truncated to the offset, and under vLLM's default retention interval 0
+    the Mamba manager keeps only the truncated prompt's checkpoint
+    (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
+    ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
+    position where the conversation's next turn resumes. When the two differ and P computed
+    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/prefill_scheduler.py). Never
+    with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
+    computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
+    checkpoint, unit = plan.checkpoint, profile.checkpoint_unit
+    needed = checkpoint + (unit if profile.eagle_drop else 0)
+    if unit <= 0 or checkpoint <= 0 or needed > plan.replay_offset:
+        return 0
+    if checkpoint == mamba_checkpoint_position(plan.replay_offset, unit, profile.eagle_drop):
+        return 0  # vLLM keeps it anyway
+    return checkpoint
+
+
+def pinned_boundary(current: int, keep: int) -> int | None:
+    """The shared-prefix boundary P sets to keep checkpoint ``keep`` (``junction_to_pin``),
+    given the one vLLM's lookup left on the request: ``keep`` over none (0) or over itself; None
+    (leave it, and count it) over a junction vLLM found itself, such as a system prompt shared
+    with other cached requests. A request carries one boundary, and that junction serves every
+    sibling request, where ours would serve only this conversation."""
+    return keep if current in (0, keep) else None
+
+
 def checkpoint_to_pin(num_prompt_tokens: int, offset: int, rule: CheckpointRule) -> int:
     """A block state below R the aggregated server keeps and P's truncated prefill would not
     (the EAGLE drop on a block-aligned prompt: N - B, where P's R = N - 1 checkpoints at N - 2B),
@@ -173,7 +205,7 @@ def checkpoint_to_pin(num_prompt_tokens: int, offset: int, rule: CheckpointRule)
 
 def junction_to_pin(num_prompt_tokens: int, plan: HandoffPlan, profile: RecomputeProfile, rule: CheckpointRule) -> int:
     """The shared-prefix boundary P pins for a handoff: the whole prompt's checkpoint for its own
-    next turn (``handoff.checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none.
+    next turn (``checkpoint_to_keep``), else one for D (``checkpoint_to_pin``); 0: none.
     A whole-prompt plan pins only what a prefill of the whole prompt would not keep."""
     if plan.replay_offset <= 0:
         return 0
@@ -196,17 +228,29 @@ def whole_prompt_states(
     return kept_checkpoints(num_prompt_tokens, rule, computed=num_prompt_tokens, junction=junction)
 
 
-def states_to_pin(
-    num_prompt_tokens: int, plan: HandoffPlan, recurrent: bool, rule: CheckpointRule, junction: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """P's pins for a plan: (the states it hands over, the aggregated server's checkpoints below
-    R it will not have). A hybrid that prefills past R (a whole-prompt plan) resumes on its
-    checkpoint at R, not its tip, so that state is pinned too."""
-    computed = prefill_length(num_prompt_tokens, plan)
-    wanted = checkpoints_to_hand_over(num_prompt_tokens, plan.replay_offset, rule, junction, computed)
-    if resumes_on_checkpoint(plan.replay_offset, computed, recurrent):
-        wanted += (plan.replay_offset,)
-    return wanted, checkpoints_not_computed(num_prompt_tokens, plan.replay_offset, rule, junction, computed)
+class PrefillCheckpoints(msgspec.Struct, frozen=True):
+    """P's checkpoints for one plan (``prefill_checkpoints``)."""
+
+    computes: int  # the prompt tokens P computes (``prefill_length``)
+    junction: int = 0  # the shared-prefix boundary P pins (``junction_to_pin``); 0: none
+    wanted: tuple[int, ...] = ()  # the states P pins to hand over
+    missing: tuple[int, ...] = ()  # the aggregated server's checkpoints below R P will not have
+
+
+def prefill_checkpoints(
+    num_prompt_tokens: int, plan: HandoffPlan, profile: RecomputeProfile, rule: CheckpointRule
+) -> PrefillCheckpoints:
+    """P's answer for a plan, in one: how much it computes, the junction it pins, the states it
+    pins to hand over and the checkpoints below R it will not have. A hybrid that prefills past R
+    (a whole-prompt plan) resumes on its checkpoint at R, not its tip, so that state is pinned too."""
+    offset = plan.replay_offset
+    computes = prefill_length(num_prompt_tokens, plan)
+    junction = junction_to_pin(num_prompt_tokens, plan, profile, rule)
+    wanted = checkpoints_to_hand_over(num_prompt_tokens, offset, rule, junction, computes)
+    if resumes_on_checkpoint(offset, computes, profile.has_recurrent_state):
+        wanted += (offset,)
+    missing = checkpoints_not_computed(num_prompt_tokens, offset, rule, junction, computes)
+    return PrefillCheckpoints(computes, junction, wanted, missing)
 
 
 def resumes_on_checkpoint(offset: int, computed: int, recurrent: bool) -> bool:
@@ -259,6 +303,12 @@ def resume_state(
         return None
     blocks = [list(state_ids) if state_ids else list(ids) for ids, state_ids in zip(source, at[0].block_ids)]
     return blocks, [s for s in states if s.position < offset]
+
+
+def checkpoint_prompt_length(decision: Accepted, num_prompt_tokens: int) -> int:
+    """The prompt whose checkpoints D registers (those aggregated serving keeps for it): P's R
+    tokens under zero replay, where D's prompt is them plus P's first token; else D's own."""
+    return decision.replay_offset if decision.params.pd_first_token is not None else num_prompt_tokens
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -344,18 +394,22 @@ def state_blocks(layouts: tuple[GroupLayout, ...], position: int, by_group: dict
 __all__ = [
     "CheckpointRule",
     "Placement",
+    "PrefillCheckpoints",
     "checkpoint_pairs",
+    "checkpoint_prompt_length",
     "checkpoint_slot",
+    "checkpoint_to_keep",
     "checkpoint_to_pin",
     "checkpoints_not_computed",
     "checkpoints_to_hand_over",
     "junction_to_pin",
     "kept_checkpoints",
+    "pinned_boundary",
     "place_checkpoints",
+    "prefill_checkpoints",
     "prefill_length",
     "resume_state",
     "resumes_on_checkpoint",
     "state_blocks",
-    "states_to_pin",
     "whole_prompt_states",
 ]

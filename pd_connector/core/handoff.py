@@ -10,6 +10,9 @@ speculative config and cache mode. When they differ, D resumes on top of a recur
 belongs to another position: a phantom or a skipped token, silently. Here P picks R, truncates its
 own prompt to exactly R tokens (so the state it holds is the state at R), and D only *validates*.
 
+The prompt checkpoints (which positions keep state, what P pins, what D registers) are
+core/checkpoints.py's; the engine facts both rules read, core/recompute_profile.py's.
+
 Pure: ints and msgspec Structs only. No vLLM, torch, NIXL or sockets.
 """
 
@@ -34,56 +37,7 @@ from pd_connector.core.params import (
 )
 from pd_connector.core.fingerprint import FINGERPRINT_VERSION, form_of
 from pd_connector.core.protocol import PROTOCOL_VERSION, CheckpointBlocks, ProtocolError
-
-
-class RecomputeProfile(msgspec.Struct, frozen=True):
-    """What one engine's configuration demands of the prompt tail it recomputes itself.
-
-    Extracted from vLLM config by the adapter (``scheduler.profile_from_vllm``); kept as plain
-    fields so the rule is testable without vLLM.
-    """
-
-    # Any Mamba/SSM/GDN/linear-attention group: its state cannot be rolled back, so D must
-    # recompute at least the last prompt token on top of the state it receives.
-    has_recurrent_state: bool = False
-    # vLLM's ``VllmConfig.num_prefill_lookahead_tokens``: 0 without EAGLE-family drafting, 1 for
-    # EAGLE/EAGLE3/single-module MTP, K for multi-module MTP with K speculative tokens. The last
-    # ``lookahead - 1`` prompt positions of the drafter's KV depend on tokens P never had.
-    prefill_lookahead: int = 0
-    # Sliding-window groups with bounded replay (``prefix_replay_tokens > 0``, DeepSeek-V4.1):
-    # their window is laid out for the next token only, so D recomputes at least one token
-    # (vLLM's ``_prefill_backoff`` backs off 1 for them, not the window: a P/D load restores
-    # the window, ``Scheduler._load_restores_replay_window``). The >= 1 floor covers it.
-    bounded_replay: bool = False
-    # The unit u: with prefix caching in Mamba ``align`` mode, vLLM looks Mamba state up (and
-    # registers it) only at multiples of this many tokens, the Mamba group's cache-hit
-    # alignment: the ``prefix_match_unit`` when it is finer than the block, else the block
-    # size. 0 = no prefix caching of recurrent state (no checkpoints).
-    checkpoint_unit: int = 0
-    # vLLM's ``SpeculativeConfig.use_eagle_block_drop()`` with prefix caching: the prompt
-    # checkpoint sits one unit earlier (``get_mamba_prefill_checkpoint_position``:
-    # floor(N/u)*u - u, "the EAGLE drop").
-    eagle_drop: bool = False
-
-
-def min_recompute_tokens(profile: RecomputeProfile) -> int:
-    """The fewest prompt tokens an engine with ``profile`` must recompute after a handoff.
-
-    Always >= 1: vLLM needs at least one computed prompt token to produce logits (it rewinds a
-    full hit by one token in ``Scheduler._update_waiting_for_remote_kv``); making that explicit
-    keeps "D recomputes exactly N - R tokens" true for attention-only models too.
-    """
-    return max(1, profile.prefill_lookahead - 1)
-
-
-def mamba_checkpoint_position(num_tokens: int, unit: int, drop: bool) -> int:
-    """Where vLLM keeps a prompt's reusable Mamba state: ``get_mamba_prefill_checkpoint_position``
-    (vllm/v1/kv_cache_interface.py), restated so the core needs no vLLM (tests/vllm compare them).
-    The last multiple of ``unit`` below ``num_tokens``, one unit earlier with the EAGLE drop.
-    vLLM 0.33's ``num_hash_lookahead_tokens`` is left out: vLLM keeps it 0 under a KV connector."""
-    limit = num_tokens if drop else num_tokens - 1
-    position = limit // unit * unit - (unit if drop else 0)
-    return max(position, 0)
+from pd_connector.core.recompute_profile import RecomputeProfile, mamba_checkpoint_position, min_recompute_tokens
 
 
 class HandoffPlan(msgspec.Struct, frozen=True):
@@ -160,35 +114,6 @@ def plan_handoff(
             return HandoffPlan(checkpoint, checkpoint)
     # Attention KV is positional: any prefix of the whole prompt's is the prefix's own.
     return HandoffPlan(offset, checkpoint, whole_prompt=whole and not profile.has_recurrent_state)
-
-
-def checkpoint_to_keep(plan: HandoffPlan, profile: RecomputeProfile) -> int:
-    """The prompt checkpoint P must ask vLLM to keep for its own next turn, or 0.
-
-    P computes a prompt truncated to the offset, and under vLLM's default retention interval 0
-    the Mamba manager keeps only the truncated prompt's checkpoint
-    (``MambaManager.reachable_block_mask`` over ``replay_boundaries(num_prompt_tokens)``): at
-    ``N - 1 = kB`` that is ``(k-1)B``, one unit below the whole prompt's ``C = kB``, the
-    position where the conversation's next turn resumes. When the two differ and P computed
-    ``C``, P names ``C`` (vLLM's ``shared_prefix_boundary`` pin; engine/prefill/prefill_scheduler.py). Never
-    with the EAGLE drop: a hit at ``C`` then also needs the attention block above it, past what P
-    computed whenever the two checkpoints differ, and a pin inside P's chunk would split it."""
-    checkpoint, unit = plan.checkpoint, profile.checkpoint_unit
-    needed = checkpoint + (unit if profile.eagle_drop else 0)
-    if unit <= 0 or checkpoint <= 0 or needed > plan.replay_offset:
-        return 0
-    if checkpoint == mamba_checkpoint_position(plan.replay_offset, unit, profile.eagle_drop):
-        return 0  # vLLM keeps it anyway
-    return checkpoint
-
-
-def pinned_boundary(current: int, keep: int) -> int | None:
-    """The shared-prefix boundary P sets to keep checkpoint ``keep`` (``checkpoint_to_keep``),
-    given the one vLLM's lookup left on the request: ``keep`` over none (0) or over itself; None
-    (leave it, and count it) over a junction vLLM found itself, such as a system prompt shared
-    with other cached requests. A request carries one boundary, and that junction serves every
-    sibling request, where ours would serve only this conversation."""
-    return keep if current in (0, keep) else None
 
 
 def offered_offset(chosen: int, num_computed_tokens: int, planned: int | None = None) -> int:
@@ -300,12 +225,6 @@ def decide_on_decode(
         if mismatch:
             return Refused(kind="prompt_mismatch", reason=mismatch, params=params, release=params.lease)
     return Accepted(replay_offset=offset, params=params)
-
-
-def checkpoint_prompt_length(decision: Accepted, num_prompt_tokens: int) -> int:
-    """The prompt whose checkpoints D registers (those aggregated serving keeps for it): P's R
-    tokens under zero replay, where D's prompt is them plus P's first token; else D's own."""
-    return decision.replay_offset if decision.params.pd_first_token is not None else num_prompt_tokens
 
 
 def trust_refusal(
@@ -459,15 +378,9 @@ __all__ = [
     "Accepted",
     "Decision",
     "HandoffPlan",
-    "RecomputeProfile",
     "Refused",
-    "checkpoint_prompt_length",
-    "checkpoint_to_keep",
     "decide_on_decode",
-    "mamba_checkpoint_position",
-    "min_recompute_tokens",
     "offered_offset",
-    "pinned_boundary",
     "plan_handoff",
     "requested_decode_requests",
     "requested_min_recompute",

@@ -14,7 +14,11 @@ deadline, not the full lease.
 
 A completion can overtake its grant: D may release as soon as the router forwards P's params,
 while the grant reaches P's worker with the next engine step. Such early completions are
-remembered (bounded by time) and settle the grant on arrival.
+remembered (bounded by time) and count as soon as the grant arrives.
+
+Verbs (docs/architecture.md, "Glossary"): P *grants* a lease, D *claims* and *extends* it; a
+reader *completes* (READ notification or release); the lease *ends* when every reader has
+completed, or *expires* at its deadline; P then *frees* its blocks.
 
 Readers: with tensor parallelism each P rank keeps its own table (every rank receives the same
 grants), and several D ranks may read one P rank's shard (``readers`` per D request); with
@@ -73,7 +77,7 @@ class Lease(NamedTuple):
     readers: int = 1  # completions per D request on this rank (the largest count announced)
     claimed: frozenset[str] = frozenset()  # readers granted a claim
     done: frozenset[str] = frozenset()  # readers that completed
-    closing: bool = False  # released whole by D's scheduler: no new claims
+    released_whole: bool = False  # released whole by D's scheduler: no new claims
     cap: float = float("inf")  # no claim or extension keeps the lease past this
     # Prompt checkpoints below the offset leased with it: (position, block ids per group).
     checkpoints: frozenset[tuple[int, tuple[tuple[int, ...], ...]]] = frozenset()
@@ -82,8 +86,9 @@ class Lease(NamedTuple):
         """A granted reader has not completed: its READ may be in flight."""
         return not self.claimed <= self.done
 
-    def over(self) -> bool:
-        return not self.reading() and (self.closing or len(self.done) >= self.requests * self.readers)
+    def ends(self) -> bool:
+        """Every reader due has completed (or D released it whole) and none is reading."""
+        return not self.reading() and (self.released_whole or len(self.done) >= self.requests * self.readers)
 
 
 class _Early(NamedTuple):
@@ -114,7 +119,7 @@ class LeaseTable:
         self._early: dict[str, _Early] = {}
         self._expired: dict[str, float] = {}
         self._ended: dict[str, float] = {}  # in ending order: forgotten from the front
-        self._finished: list[str] = []
+        self._to_free: list[str] = []
         self.expired_total = 0
         # Leases that reached their deadline with a granted READ not reported done.
         self.expired_reading_total = 0
@@ -146,8 +151,8 @@ class LeaseTable:
         )
         early = self._early.pop(request_id, None)
         if early is not None:
-            lease = lease._replace(readers=early.readers, done=early.done, closing=early.whole)
-            if lease.over():
+            lease = lease._replace(readers=early.readers, done=early.done, released_whole=early.whole)
+            if lease.ends():
                 self._end(request_id, early.seen)
                 return
         self._leases[request_id] = lease
@@ -204,7 +209,7 @@ class LeaseTable:
                 f"is not the one of the {replay_offset} tokens this instance computed ({lease.fingerprint}): "
                 "another prompt, or parameters altered in transit"
             )
-        if reader in lease.done or (lease.closing and reader not in lease.claimed):
+        if reader in lease.done or (lease.released_whole and reader not in lease.claimed):
             return ENDED, f"{reader or 'the decode instance'} already released or read {request_id}"
         self._leases[request_id] = lease._replace(
             deadline=min(max(lease.deadline, extend_to), lease.cap),
@@ -245,8 +250,8 @@ class LeaseTable:
         if reader:
             lease = lease._replace(readers=max(lease.readers, readers), done=lease.done | {reader})
         else:
-            lease = lease._replace(closing=True)
-        if lease.over():
+            lease = lease._replace(released_whole=True)
+        if lease.ends():
             del self._leases[request_id]
             self._end(request_id, now)
             return True
@@ -258,12 +263,12 @@ class LeaseTable:
         return False
 
     def _end(self, request_id: str, now: float) -> None:
-        self._finished.append(request_id)
+        self._to_free.append(request_id)
         self._ended.pop(request_id, None)
         self._ended[request_id] = now
 
     def expire(self, now: float) -> list[str]:
-        """Leases past their deadline; each is finished (its blocks freed) exactly once.
+        """Leases past their deadline; each is freed exactly once.
         Scans every entry: deadlines are not in grant order once leases are extended
         (the bug of vllm#58222)."""
         expired = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
@@ -271,7 +276,7 @@ class LeaseTable:
             self.expired_reading_total += self._leases[rid].reading()
             del self._leases[rid]
             self._expired[rid] = now
-        self._finished.extend(expired)
+        self._to_free.extend(expired)
         self.expired_total += len(expired)
         for rid in [rid for rid, early in self._early.items() if now - early.seen > MEMORY_TTL]:
             del self._early[rid]
@@ -286,6 +291,7 @@ class LeaseTable:
             del self._ended[rid]
         return expired
 
-    def take_finished(self) -> set[str]:
-        finished, self._finished = set(self._finished), []
-        return finished
+    def take_to_free(self) -> set[str]:
+        """The leases that ended or expired since the last call: their blocks P frees now."""
+        to_free, self._to_free = set(self._to_free), []
+        return to_free

@@ -154,7 +154,7 @@ class BlockPairs:
     (or P's list itself) instead of one tuple per block is what keeps long prompts cheap there
     (``python -m benchmarks scheduler``). It reads as the sequence of pairs (``len``,
     iteration, indexing, ``==`` with a list of tuples), and ``numpy.array(pairs)`` is the
-    ``(n, 2)`` array the worker's descriptor arithmetic (``layout.descriptor_indices``) wants.
+    ``(n, 2)`` array the worker's descriptor arithmetic (``descriptors.descriptor_indices``) wants.
 
     ``phases`` (unequal block sizes only, else None): per pair, which sub-block of the larger
     side's block the pair moves (``block_ratio`` of them per block, phase 0 first).

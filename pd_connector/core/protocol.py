@@ -82,7 +82,7 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     on the engine's speculative token count (``conv_kernel - 1 + num_spec`` rows, see
     ``MambaStateShapeCalculator`` in vLLM), which moves every later state inside the page.
     ``rows`` is the state's leading dimension and ``scratch_rows`` the engine's speculative token
-    count; ``layout.reconcile_regions`` uses them to copy only the rows both engines hold.
+    count; ``descriptors.reconcile_regions`` uses them to copy only the rows both engines hold.
     """
 
     name: str

@@ -1,7 +1,11 @@
-"""How D plans and posts one READ (pure, numpy): ``Planner`` per peer, with slices by size where
-the post itself copies (``chunk_bounds``), and for NIXL's UCX worker threads the order and posts
-that give every thread an equal share (``cut_long_runs``, ``thread_slices``). The descriptor
-indices, and NIXL's merge rule these build on, live in ``core/layout.py``."""
+"""How D plans and posts its READs (pure, numpy). Once per P engine, ``plan_engine`` decides
+which P bytes feed which D bytes for every paired P rank (equal TP: the page maps reconciled;
+unequal TP: the shard plan; unequal block sizes: the phase re-cut; ``block_phases.peer_regions``)
+and gives each a ``PeerPlan``: the rows of the two descriptor lists the transport prepares, and
+the ``Planner`` that plans every READ from that rank, with slices by size where the post itself
+copies (``chunk_bounds``), and for NIXL's UCX worker threads the order and posts that give every
+thread an equal share (``cut_long_runs``, ``thread_slices``). The descriptor indices, and NIXL's
+merge rule these build on, live in ``core/descriptors.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pd_connector.core.block_phases import PhasePlan, route_pairs
-from pd_connector.core.layout import DescriptorRows, count_runs, merged_ranges, plan_indices, run_starts
+from pd_connector.core.block_phases import PhasePlan, peer_regions, route_pairs
+from pd_connector.core.descriptors import (
+    DescriptorRows,
+    common_packing,
+    count_runs,
+    descriptor_rows,
+    merged_ranges,
+    plan_indices,
+    reconcile_regions,
+    run_starts,
+)
+from pd_connector.core.protocol import LayerRegion
 
 
 def chunk_bounds(nbytes: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
@@ -133,8 +147,9 @@ class ReadPlan:
 
 class Planner:
     """Every READ from one peer is planned here: descriptor indices for per-group (remote block,
-    local block) pairs, the slices it is posted in, its runs and bytes. The transport builds one
-    per peer from the two prepared descriptor lists' rows; NIXL is never called here.
+    local block) pairs, the slices it is posted in, its runs and bytes. ``plan_engine`` builds one
+    per peer from the rows of the two descriptor lists the transport prepares; NIXL is never
+    called here.
 
     ``shard``: a TP shard plan, where this peer may hold nothing of some groups (other P ranks
     send those). ``copies_in_post``: DRAM without UCX worker threads, where the post itself
@@ -176,7 +191,7 @@ class Planner:
         return count_runs(local_idx, remote_idx, self.local, self.remote)
 
     def merged_ranges(self, local_idx: np.ndarray, remote_idx: np.ndarray):
-        """(local address, remote address, bytes) of those runs (``layout.merged_ranges``)."""
+        """(local address, remote address, bytes) of those runs (``descriptors.merged_ranges``)."""
         return merged_ranges(local_idx, remote_idx, self.local, self.remote)
 
     def plan(self, pairs: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> ReadPlan:
@@ -189,3 +204,78 @@ class Planner:
             self.count_runs(local_idx, remote_idx),
             int(self.local.nbytes_of(local_idx).sum()),
         )
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What D reads from one P rank, decided once per peer: the ``Planner`` over the two
+    descriptor lists' rows, and ``local_key``, equal for every peer whose local list is the
+    same (same packing, same local page map), so that the transport prepares it once."""
+
+    local_key: tuple[frozenset[int], tuple[LayerRegion, ...]]
+    planner: Planner
+
+    @property
+    def local_rows(self) -> DescriptorRows:
+        return self.planner.local
+
+    @property
+    def remote_rows(self) -> DescriptorRows:
+        return self.planner.remote
+
+
+def plan_engine(
+    local: Sequence[LayerRegion],
+    remote_by_rank: dict[int, Sequence[LayerRegion]],
+    order: Sequence[int],
+    same_tp: bool,
+    phases: PhasePlan,
+    local_sizes: Sequence[int],
+    remote_sizes: Sequence[int],
+    *,
+    threads: int,
+    copies_in_post: bool,
+    packed: bool = True,
+) -> dict[int, PeerPlan | None]:
+    """Per P rank of one P engine (``order``: the ranks this D rank pairs with, preferred
+    first): its ``PeerPlan``, or None where this D rank reads nothing from it (every unit that
+    rank holds comes from another). ``local``: D's page map; ``remote_by_rank``: each P rank's,
+    from its handshake; ``phases`` and the block sizes per group: the re-cut of unequal
+    attention block sizes (``block_phases.PhasePlan``). ``threads`` and ``copies_in_post``: how
+    the transport posts (``Planner``). ``packed=False`` describes every layer's page on its own
+    even where both sides could move packed spans (a benchmark's comparison)."""
+    plans: dict[int, PeerPlan | None] = {}
+    for rank, (mine, theirs) in peer_regions(
+        local, remote_by_rank, order, same_tp, phases, local_sizes, remote_sizes
+    ).items():
+        if mine is not None and not mine:
+            plans[rank] = None
+            continue
+        # A matched pair of page maps (shard or phase plan) may leave groups to other P ranks;
+        # otherwise (equal TP, equal block sizes) the two maps are reconciled whole.
+        shard = mine is not None
+        if mine is None:
+            mine, theirs = reconcile_regions(local, theirs)
+        mine, theirs = tuple(mine), tuple(theirs)
+        packing = common_packing(mine, theirs) if packed else frozenset()
+        planner = Planner(
+            descriptor_rows(mine, packing), descriptor_rows(theirs, packing), shard=shard, threads=threads,
+            copies_in_post=copies_in_post, phases=phases if phases.ratio else None,
+        )
+        plans[rank] = PeerPlan((packing, mine), planner)
+    return plans
+
+
+def plan_peer(
+    local: Sequence[LayerRegion], remote: Sequence[LayerRegion], *, threads: int, copies_in_post: bool,
+    packed: bool = True,
+) -> PeerPlan:
+    """``plan_engine`` for one P rank at D's TP size and block sizes, the two page maps
+    reconciled: the one P, one D pairs of tests and benchmarks, and the local list the
+    transport prepares at registration for a peer of its own layout."""
+    no_recut = PhasePlan.of((), (), ())
+    plans = plan_engine(
+        local, {0: remote}, (0,), True, no_recut, (), (), threads=threads, copies_in_post=copies_in_post,
+        packed=packed,
+    )
+    return plans[0]

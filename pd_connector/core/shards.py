@@ -12,7 +12,7 @@ several P ranks: each is read from exactly one of them, the first in ``peer_rank
 A layer is described only when its page is a layout this module proves it understands; any
 other gets no segments and a ``reason``, and a peer of another TP size is refused naming it.
 
-Equal TP sizes never come here: D rank r reads P rank r's pages whole (``layout.py``).
+Equal TP sizes never come here: D rank r reads P rank r's pages whole (``descriptors.py``).
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def shard_regions(
     local: Sequence[LayerRegion], remote_by_rank: dict[int, Sequence[LayerRegion]], order: Sequence[int]
 ) -> dict[int, tuple[tuple[LayerRegion, ...], tuple[LayerRegion, ...]]]:
     """Per P rank: (D's page ranges, P's page ranges) to copy, matched one to one, as regions
-    (``name@offset``, one per piece) that the descriptor machinery (``layout.descriptor_rows``)
+    (``name@offset``, one per piece) that the descriptor machinery (``descriptors.descriptor_rows``)
     takes like whole pages. ``order``: the P ranks to read from, preferred first."""
     by_name = {rank: {r.name: r for r in regions} for rank, regions in remote_by_rank.items()}
     out: dict[int, tuple[list[LayerRegion], list[LayerRegion]]] = {rank: ([], []) for rank in order}

@@ -30,7 +30,7 @@ import msgspec
 
 from pd_connector.core import checkpoints
 from pd_connector.core.checkpoints import CheckpointRule
-from pd_connector.core.handoff import RecomputeProfile
+from pd_connector.core.handoff import Accepted
 from pd_connector.core.pairing import MAMBA, GroupLayout
 from pd_connector.core.params import decode_checkpoints
 from pd_connector.core.protocol import CheckpointBlocks, ProtocolError
@@ -42,32 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.pd_connector")
-
-
-def checkpoint_rule_from_vllm(
-    vllm_config: Any,
-    kv_cache_config: Any,
-    profile: RecomputeProfile,
-    layouts: tuple[GroupLayout, ...],
-    group_ids: tuple[int, ...],
-) -> CheckpointRule:
-    """The core's rule from this engine's config: the Mamba groups' block size (one for all in
-    align mode, else no checkpoints), the unit and drop of ``profile``, whether every Mamba
-    backend exports checkpoints inside a chunk (``Scheduler.mamba_has_prefill_checkpoint_blocks``)
-    and the granularity the scheduler splits prefill chunks on (``cache_config.block_size``,
-    read by ``Scheduler._mamba_block_aligned_split`` at every step; ``CheckpointPool.rule``
-    reads it again per request)."""
-    sizes = {layout.block_size for layout in layouts if layout.kind == MAMBA}
-    if len(sizes) != 1 or not profile.checkpoint_unit:
-        return CheckpointRule()
-    specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g, layout in zip(group_ids, layouts) if layout.kind == MAMBA]
-    exports = all((getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for spec in specs)
-    return CheckpointRule(
-        block_size=sizes.pop(),
-        profile=profile,
-        exports=exports,
-        split_block=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
-    )
 
 
 class CheckpointPool:
@@ -179,9 +153,12 @@ class CheckpointPool:
 
     # -- D ---------------------------------------------------------------------------------
 
-    def placeable(self, params: dict, num_prompt_tokens: int, offset: int, withheld: bool) -> tuple[CheckpointBlocks, ...]:
-        """P's checkpoints D registers (core ``place_checkpoints``); each refusal is counted and
-        logged once, and never refuses the handoff."""
+    def placeable(
+        self, params: dict, decision: Accepted, num_prompt_tokens: int, withheld: bool
+    ) -> tuple[CheckpointBlocks, ...]:
+        """P's checkpoints D registers for ``decision`` on its ``num_prompt_tokens``-token prompt
+        (core ``place_checkpoints``, for ``checkpoint_prompt_length``); each refusal is counted
+        and logged once, and never refuses the handoff."""
         try:
             states = decode_checkpoints(params)
         except ProtocolError as exc:
@@ -192,7 +169,8 @@ class CheckpointPool:
         if withheld or self.pool is None:
             self._refuse([(s.position, "withheld" if withheld else "no_block_pool") for s in states])
             return ()
-        placement = checkpoints.place_checkpoints(states, num_prompt_tokens, offset, self.layouts, self.rule)
+        prompt_len = checkpoints.checkpoint_prompt_length(decision, num_prompt_tokens)
+        placement = checkpoints.place_checkpoints(states, prompt_len, decision.replay_offset, self.layouts, self.rule)
         self._refuse(placement.refused)
         return placement.placed
 

@@ -9,12 +9,18 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.core import handoff, ranks, trust
+from pd_connector.core import ranks, trust
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from pd_connector.core.settings import ConnectorSettings
-from pd_connector.engine.checkpoint_pool import CheckpointPool, checkpoint_rule_from_vllm
+from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.decode.decode_scheduler import DecodeScheduler
 from pd_connector.engine.from_vllm import identity
-from pd_connector.engine.from_vllm.vllm_config import dp_placement, layouts_from_kv_cache_config, profile_from_vllm
+from pd_connector.engine.from_vllm.vllm_config import (
+    checkpoint_rule_from_vllm,
+    dp_placement,
+    layouts_from_kv_cache_config,
+    profile_from_vllm,
+)
 from pd_connector.engine.metadata import PDMetadata
 from pd_connector.engine.metrics import Recorder
 from pd_connector.engine.prefill.prefill_scheduler import PrefillScheduler
@@ -89,7 +95,7 @@ class SchedulerSide:
             self.engine_id,
             self.dp_index,
             [layout.kind for layout in self.layouts],
-            handoff.min_recompute_tokens(self.profile),
+            min_recompute_tokens(self.profile),
             self.profile.checkpoint_unit,
             rule,
         )

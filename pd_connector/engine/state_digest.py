@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_connector.core.layout import state_rows_only
+from pd_connector.core.descriptors import state_rows_only
 from pd_connector.core.protocol import LayerRegion
 
 
@@ -24,7 +24,7 @@ class StateDigester:
             storage = tensor.untyped_storage()
             self._views[region.name] = (storage, storage.data_ptr(), tensor.device)
         # Only the rows that hold the state: an engine with another speculative token count
-        # has a wider conv state whose scratch rows P never sends (layout.reconcile_regions).
+        # has a wider conv state whose scratch rows P never sends (descriptors.reconcile_regions).
         self._regions = tuple(state_rows_only(r) for r in regions)
 
     def pages(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]):
@@ -41,7 +41,7 @@ class StateDigester:
 
     def digest(self, group_blocks: Sequence[Sequence[int]], groups: Sequence[int]) -> bytes:
         """SHA-256 over the pages of ``group_blocks[g]`` for every layer of each group in
-        ``groups``, in region order (identical on P and D, see layout.check_matching)."""
+        ``groups``, in region order (identical on P and D, see descriptors.check_matching)."""
         h = hashlib.sha256()
         for page in self.pages(group_blocks, groups):
             h.update(page.cpu().numpy().tobytes())

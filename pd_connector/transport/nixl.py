@@ -1,9 +1,12 @@
-"""Thin NIXL wrapper: register memory, prepare descriptor lists once per peer, READ, poll.
+"""Thin NIXL wrapper: register memory, prepare a peer's two descriptor lists, READ, poll.
 
-All descriptor arithmetic and READ planning live in ``core/layout.py`` and ``core/read_plan.py``
-(a ``Planner`` per peer); this module only talks to NIXL. One agent per
-worker process. NIXL is not guaranteed thread-safe, so callers serialise access (the worker owns
-the agent; the side-channel thread never touches it).
+What to read from a peer, and how each READ is cut, is decided in ``core/read_plan.py``
+(``plan_engine``: a ``PeerPlan`` per P rank, with its ``Planner``); the caller keeps the
+planners and hands ``add_peer`` the plan, whose rows this module prepares as they are. It
+states the facts the planner needs about posting (``threads``, ``copies_in_post``) and
+otherwise only talks to NIXL. One agent per worker process. NIXL is not guaranteed thread-safe,
+so callers serialise access (the worker owns the agent; the side-channel thread never touches
+it).
 """
 
 from __future__ import annotations
@@ -17,10 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pd_connector.core import layout
-
 from pd_connector.core import read_plan
-from pd_connector.core.block_phases import PhasePlan
 from pd_connector.core.protocol import LayerRegion
 from pd_connector.transport.backends import backend_params, import_nixl
 
@@ -85,13 +85,12 @@ def create_agent(nixl_agent, name: str, config, progress_delay_us: int = 0):
 
 
 class _Peer:
-    __slots__ = ("agent_name", "dlist", "local_dlist", "planner")
+    __slots__ = ("agent_name", "dlist", "local_dlist")
 
-    def __init__(self, agent_name, dlist, local_dlist, planner: read_plan.Planner):
+    def __init__(self, agent_name, dlist, local_dlist):
         self.agent_name = agent_name
         self.dlist = dlist
         self.local_dlist = local_dlist
-        self.planner = planner
 
 
 class NixlTransport:
@@ -113,8 +112,7 @@ class NixlTransport:
         self.mem_type = mem_type
         # UCX's worker threads post and copy; without them a DRAM READ copies inside the post.
         threaded = num_threads > 0 and "UCX" in backends
-        self.copies_in_post = mem_type == "DRAM" and not threaded
-        # Worker threads a READ is spread over (read_plan.cut_long_runs, read_plan.thread_slices).
+        self._copies_in_post = mem_type == "DRAM" and not threaded
         self._threads = num_threads if threaded else 1
         # Backends are created here, not by nixl_agent, which passes UCX nothing but num_threads.
         config = nixl_agent_config(
@@ -132,9 +130,9 @@ class NixlTransport:
             ) from exc
         self._regions: tuple[LayerRegion, ...] = ()
         self._device_id = 0
-        # Local prepared lists, one per packing (the set of groups moved as packed spans); a
-        # peer whose layout packs fewer groups gets its own, prepared once.
-        self._local_lists: dict[tuple, tuple[layout.DescriptorRows, object]] = {}
+        # Local prepared lists by ``PeerPlan.local_key``: peers with the same packing and local
+        # page map (the same speculative token count, the same shard) share one.
+        self._local_lists: dict[tuple, object] = {}
         self._peers: dict[str, _Peer] = {}
         self._reg_descs = None
 
@@ -147,26 +145,37 @@ class NixlTransport:
         device_id: int = 0,
     ) -> None:
         """Register whole allocations ``(addr, nbytes, device)`` once, then prepare the local
-        descriptor list (packed spans wherever this layout allows)."""
+        descriptor list a peer of this very layout reads into, before any handshake needs it."""
         reg = [(addr, size, dev, "") for addr, size, dev in allocations]
         self._reg_descs = self._agent.register_memory(reg, self.mem_type)
         self._regions = tuple(regions)
         self._device_id = device_id
-        self._local_list(frozenset(layout.packed_layer_order(regions)), self._regions)
+        self._local_list(
+            read_plan.plan_peer(self._regions, self._regions, threads=self.threads, copies_in_post=self.copies_in_post)
+        )
 
-    def _local_list(self, packed: frozenset[int], regions: tuple[LayerRegion, ...]):
-        # One prepared local list per (packing, page map): peers with the same speculative
-        # token count share it; a peer with another count gets its trimmed state regions.
-        key = (packed, regions)
-        if key not in self._local_lists:
-            rows = layout.descriptor_rows(regions, packed)
-            dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows.strided(self._device_id), self.mem_type)
-            self._local_lists[key] = (rows, dlist)
-        return self._local_lists[key]
+    def _local_list(self, plan: read_plan.PeerPlan):
+        """``plan``'s local list, prepared once per ``plan.local_key``."""
+        if plan.local_key not in self._local_lists:
+            self._local_lists[plan.local_key] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", plan.local_rows.strided(self._device_id), self.mem_type
+            )
+        return self._local_lists[plan.local_key]
 
     @property
     def regions(self) -> tuple[LayerRegion, ...]:
         return self._regions
+
+    @property
+    def threads(self) -> int:
+        """UCX worker threads each READ is spread over (1: none)."""
+        return self._threads
+
+    @property
+    def copies_in_post(self) -> bool:
+        """Whether posting a READ copies its bytes before returning: DRAM without UCX worker
+        threads."""
+        return self._copies_in_post
 
     @property
     def agent_metadata(self) -> bytes:
@@ -178,40 +187,21 @@ class NixlTransport:
         return key in self._peers
 
     def add_peer(
-        self,
-        key: str,
-        agent_metadata: bytes,
-        regions: Sequence[LayerRegion],
-        device_id: int = 0,
-        agent_name: str = "",
-        local_regions: Sequence[LayerRegion] | None = None,
-        phases: PhasePlan | None = None,
+        self, key: str, agent_metadata: bytes, plan: read_plan.PeerPlan, device_id: int = 0, agent_name: str = ""
     ) -> None:
-        """Load a remote agent and prepare its descriptor list (once per peer). With
-        ``local_regions`` the two page maps are already matched one to one (a TP shard plan,
-        ``shards.shard_regions``); otherwise they are reconciled (``layout.reconcile_regions``).
-        ``phases``: the groups re-cut for unequal block sizes (``block_phases.PhasePlan``)."""
-        local_regions_given = local_regions is not None
-        if local_regions is None:
-            local_regions, regions = layout.reconcile_regions(self._regions, regions)
-        else:
-            local_regions, regions = tuple(local_regions), tuple(regions)
+        """Load a remote agent and prepare the two descriptor lists of ``plan`` (the remote one
+        on the peer's ``device_id``; the local one shared by peers of the same
+        ``plan.local_key``)."""
         # A kv_both instance may hand a request to itself (a router that lists one instance in
         # both pools). NIXL reads loopback under the agent's own name and refuses to load its own
         # metadata ("remote agent name same as local agent", NIXL_ERR_INVALID_PARAM).
         if agent_name != self.name:
             loaded = _timed("add_remote_agent", self._agent.add_remote_agent, agent_metadata)
             agent_name = loaded.decode() if isinstance(loaded, bytes) else loaded
-        packed = layout.common_packing(local_regions, regions)
-        local_rows, local_dlist = self._local_list(packed, local_regions)
-        rows = layout.descriptor_rows(regions, packed)
-        strided = rows.strided(device_id)
+        local_dlist = self._local_list(plan)
+        strided = plan.remote_rows.strided(device_id)
         dlist = _timed("prep_xfer_dlist", self._agent.prep_xfer_dlist, agent_name, strided, self.mem_type)
-        planner = read_plan.Planner(
-            local_rows, rows, shard=local_regions_given, threads=self._threads, copies_in_post=self.copies_in_post,
-            phases=phases,
-        )
-        self._peers[key] = _Peer(agent_name, dlist, local_dlist, planner)
+        self._peers[key] = _Peer(agent_name, dlist, local_dlist)
 
     def connect(self, key: str) -> None:
         """Set up the transport connection to a peer now (UCX endpoints, remote keys), so the
@@ -236,10 +226,6 @@ class NixlTransport:
             logger.warning("pd_connector: removing NIXL peer %s failed: %s", key, exc)
 
     # -- transfers ------------------------------------------------------------------------
-
-    def planner(self, key: str) -> read_plan.Planner:
-        """The READ planner of peer ``key`` (core/read_plan.py), built with its lists."""
-        return self._peers[key].planner
 
     def read(self, key: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes):
         """Post one READ (remote -> local) with a completion notification to the remote
@@ -284,7 +270,7 @@ class NixlTransport:
         for key in list(self._peers):
             self.remove_peer(key)
         try:
-            for _, dlist in self._local_lists.values():
+            for dlist in self._local_lists.values():
                 self._agent.release_dlist_handle(dlist)
             if self._reg_descs is not None:
                 self._agent.deregister_memory(self._reg_descs)

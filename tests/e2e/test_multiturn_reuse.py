@@ -254,7 +254,7 @@ def test_turn_two_through_p_hits_what_aggregated_serving_hits(turns):
     """Turn 2 through P hits at least the aggregated conversation's hit, unless that hit needs
     state past the N - 1 tokens P computed. Not vacuous: at N = k*B + 1 aggregated serving hits
     k*B, and P did not (0 at N = B + 1) before it pinned the whole prompt's checkpoint past its
-    truncation (handoff.checkpoint_to_keep). vLLM CPU's own aggregated hit falls below its
+    truncation (checkpoints.checkpoint_to_keep). vLLM CPU's own aggregated hit falls below its
     checkpoint at some lengths (0 at 2B - 1 and 2B on the tiny Qwen3-Next): the reference is
     what aggregated serving achieves, not the checkpoint position."""
     on_grid = [row for row in turns if row["checkpoint"] == row["n"] - 1 > 0]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pd_connector.core.handoff import min_recompute_tokens
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from rig.cpu_matrix import random_prompt
 from rig.oracle import complete
 from rig.placement import cpu_binds

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pd_connector.core.handoff import min_recompute_tokens
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from pd_connector.core.params import KEY_FIRST_TOKEN, KEY_RESUME, RESUME_FIRST_TOKEN
 from rig.cpu_matrix import random_prompt
 from rig.oracle import complete

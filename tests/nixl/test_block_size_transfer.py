@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from pd_connector.core import block_phases, pairing, shards
+from pd_connector.core import block_phases, pairing, read_plan, shards
 from pd_connector.core.pairing import ATTENTION, SLIDING_WINDOW, GroupLayout
 from rig.attention_pages import LAYERS, AttentionRank
 from pd_connector.transport.nixl import DONE, PENDING, ChunkedRead
@@ -28,8 +28,8 @@ LAYOUTS = [block_phases.INTERLEAVED, CPU_VEC]
 NUM_BLOCKS = 24
 
 
-def read(d: AttentionRank, key: str, pairs: list) -> None:
-    xfer = ChunkedRead(d.transport, key, d.transport.planner(key).plan(pairs, 0), b"")
+def read(d: AttentionRank, key: str, planner: read_plan.Planner, pairs: list) -> None:
+    xfer = ChunkedRead(d.transport, key, planner.plan(pairs, 0), b"")
     deadline = time.monotonic() + 20
     while (state := xfer.advance()) == PENDING:
         assert time.monotonic() < deadline, "READ did not finish"
@@ -68,16 +68,17 @@ def handoff(
                 g = pairs[0]
                 pairs = [pairing.BlockPairs(g.remote, g.local, [(x + 1) % plan.ratio[0] for x in g.phases])]
             order = shards.peer_ranks(p, d, j)
-            regions = block_phases.peer_regions(
-                dr.regions, {r: p_ranks[r].regions for r in order}, order, p == d, plan, [bd], [bp]
+            peers = read_plan.plan_engine(
+                dr.regions, {r: p_ranks[r].regions for r in order}, order, p == d, plan, [bd], [bp],
+                threads=dr.transport.threads, copies_in_post=dr.transport.copies_in_post,
             )
-            for r, (local, remote) in regions.items():
-                if not local:
+            for r, peer in peers.items():
+                if peer is None:
                     continue  # every head of this D rank comes from another P rank
                 key = f"p#{r}"
                 src = p_ranks[r].transport
-                dr.transport.add_peer(key, src.agent_metadata, remote, agent_name=src.name, local_regions=local, phases=plan)
-                read(dr, key, pairs)
+                dr.transport.add_peer(key, src.agent_metadata, peer, agent_name=src.name)
+                read(dr, key, peer.planner, pairs)
             want = before.copy()
             first = max(0, offset - window + 1) if window else 0
             for u in range(max(hit, first) // min(bp, bd), pairing.cdiv(offset, min(bp, bd))):

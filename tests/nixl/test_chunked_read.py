@@ -82,7 +82,7 @@ def peered_pairs(seed: int, **transport_kw):
         if (kind, num_blocks) not in made:
             p = make_engine(kind, num_blocks or P_BLOCKS, seed=seed, **transport_kw)
             d = make_engine(kind, num_blocks or 56, seed=None, capture_telemetry=True, **transport_kw)
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)
             made[kind, num_blocks] = (p, d)
         p, d = made[kind, num_blocks]
         devices.zero(d.buf)
@@ -123,8 +123,8 @@ def read_merged_count(d, li, ri, notif: bytes) -> int:
 def test_reported_descriptor_count_is_nixls_merged_count(engines, kind, case):
     p, d = engines(kind)
     pairs = CASES[case]
-    li, ri = d.transport.planner("p").indices(pairs)
-    assert read_merged_count(d, li, ri, b"n") == d.transport.planner("p").count_runs(li, ri)
+    li, ri = d.planners["p"].indices(pairs)
+    assert read_merged_count(d, li, ri, b"n") == d.planners["p"].count_runs(li, ri)
     want, _ = expected_after(d, p, pairs)
     assert_bytes(d, want)
     assert collect_notifications(p.transport, 1) == {b"n": 1}
@@ -135,15 +135,15 @@ def test_block_outer_packed_contiguous_attention_is_one_descriptor_per_block_not
     consecutive blocks do not merge): 5 blocks -> 5 descriptors, not 10."""
     p, d = engines("block_major_padded")
     pairs = [CASES["contiguous"][0], []]
-    li, ri = d.transport.planner("p").indices(pairs)
-    assert li.size == 5 and d.transport.planner("p").count_runs(li, ri) == 5
+    li, ri = d.planners["p"].indices(pairs)
+    assert li.size == 5 and d.planners["p"].count_runs(li, ri) == 5
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 4096 * 3, 1 << 30])
 def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice(engines, chunk_bytes):
     p, d = engines("layer_major_dense")
     pairs = CASES["scattered"]
-    plan = d.transport.planner("p").plan(pairs, chunk_bytes)
+    plan = d.planners["p"].plan(pairs, chunk_bytes)
     bounds = plan.bounds
     xfer = ChunkedRead(d.transport, "p", plan, b"req")
     notified_early = False
@@ -163,7 +163,7 @@ def test_sliced_read_moves_the_same_bytes_and_notifies_once_after_the_last_slice
 
 def test_a_slice_nixl_refuses_fails_the_read_without_notifying(engines):
     p, d = engines("layer_major_dense")
-    plan = d.transport.planner("p").plan(CASES["scattered"], 0)
+    plan = d.planners["p"].plan(CASES["scattered"], 0)
     bounds = [(0, 2), (2, 2), (2, plan.local_idx.size)]  # an empty slice: NIXL refuses zero descriptors
     xfer = ChunkedRead(d.transport, "p", dataclasses.replace(plan, bounds=bounds), b"never")
     deadline = time.monotonic() + TIMEOUT_S
@@ -232,11 +232,12 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
         finished: set[str] = set()
         deadline = time.monotonic() + TIMEOUT_S
         while len(finished) < 2:
-            before = sum(r.xfer.next for r in receiver._reads.values())
-            seen = set(receiver._reads)
+            reads = receiver.reads()  # kept, so their ids stay theirs
+            before = sum(r.xfer.next for r in reads)
+            seen = {id(r) for r in reads}
             receiver.advance()
-            after = sum(r.xfer.next for k, r in receiver._reads.items() if k in seen)
-            started = sum(r.xfer.next for k, r in receiver._reads.items() if k not in seen)
+            after = sum(r.xfer.next for r in receiver.reads() if id(r) in seen)
+            started = sum(r.xfer.next for r in receiver.reads() if id(r) not in seen)
             done, failed = receiver.take_results()
             assert not failed
             finished |= done
@@ -264,7 +265,7 @@ def test_receiver_posts_one_slice_per_advance_and_finishes_every_request(engines
         receiver.close()
         server.close()
         if not d.transport.has_peer("p"):
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
 def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
@@ -298,7 +299,7 @@ def test_a_side_channel_reply_wakes_an_idle_step(engines, free_port):
         receiver.close()
         server.close()
         if not d.transport.has_peer("p"):
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
 def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_finishes(
@@ -346,7 +347,7 @@ def test_a_stalled_read_and_a_slow_post_are_reported_once_and_the_read_still_fin
         receiver.close()
         server.close()
         if not d.transport.has_peer("p"):
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
 def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engines, free_port, monkeypatch):
@@ -405,4 +406,4 @@ def test_extensions_wait_for_the_grant_and_never_go_to_an_unanswered_claim(engin
         receiver.close()
         server.close()
         if not d.transport.has_peer("p"):
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)

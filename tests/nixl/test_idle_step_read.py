@@ -60,7 +60,7 @@ def test_an_idle_step_waits_on_a_read_in_nixls_hands_instead_of_spinning_and_it_
     try:
         receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", free_port, "P-r1"), PAIRS, 16, 15, [[1]]))
         deadline = time.monotonic() + TIMEOUT_S
-        while not receiver.reading():  # handshake and claim (side-channel threads)
+        while not receiver.reads():  # handshake and claim (side-channel threads)
             step(worker)
             assert not receiver.take_results()[1] and time.monotonic() < deadline
         # P makes no progress: the READ stays in NIXL's hands. Count D's polls meanwhile.
@@ -75,7 +75,7 @@ def test_an_idle_step_waits_on_a_read_in_nixls_hands_instead_of_spinning_and_it_
         d.transport.state = counted
         while time.monotonic() - started < STALLED_S:
             step(worker)
-        assert receiver.reading(), "the READ completed without P: nothing was tested"
+        assert receiver.reads(), "the READ completed without P: nothing was tested"
         # Busy-polled, this was ~70,000 polls a second; waiting 1/8 of the time in flight, at
         # most WAIT_S, it is ~60 polls to reach the bound, then 1 per WAIT_S per hook.
         print(f"{polls} polls while the READ was stalled {STALLED_S} s")
@@ -118,7 +118,7 @@ def test_a_read_whose_next_slice_is_due_is_never_waited_for(free_port):
         deadline, finished, due_steps = time.monotonic() + TIMEOUT_S, set(), 0
         while len(finished) < len(reqs):
             receiver.advance()
-            due = receiver.reading() and None in receiver.reads_in_nixl()
+            due = bool(receiver.reads()) and None in receiver.reads_in_nixl()
             before = len(waited)
             worker._wait_if_idle()
             if due:

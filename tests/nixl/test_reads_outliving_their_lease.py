@@ -73,11 +73,11 @@ def outlive_the_lease(way: str, port: int) -> tuple[set[str], dict[str, str], bo
         sender.grant({"P-r1": SendLease(time.monotonic() + LEASE_S, 15, blocks)})
         receiver.add("r1", RecvTask(LeaseRef("p", "127.0.0.1", port, "P-r1"), PAIRS, 16, 15, blocks))
         deadline = time.monotonic() + TIMEOUT_S
-        while not receiver._reads:  # connect, claim, first slice
+        while not receiver.reads():  # connect, claim, first slice
             receiver.advance()
             assert time.monotonic() < deadline and not receiver.failed, receiver.failed
             time.sleep(0.002)
-        read = next(iter(receiver._reads.values()))
+        read = receiver.reads()[0]
         freed: set[str] = set()
         if way == "d_paused":
             # D's engine thread stops: no slice posted, no extension sent, while P frees.
@@ -194,8 +194,8 @@ def test_extensions_p_confirms_keep_a_long_read_trusted(free_port):
                 receiver.extend(ExtendTask("127.0.0.1", free_port, 1, ["P-r1"]))
                 last_extend = time.monotonic()
             finished, failed = receiver.take_results()
-            if receiver._reads:
-                read = next(iter(receiver._reads.values()))
+            if receiver.reads():
+                read = receiver.reads()[0]
                 assert read.xfer.slices > 1, "test bug: a one-slice READ notifies P at once"
             start = first_poll[0] if first_poll else 0.0
             assert not failed, (failed, [(round(t - start, 2), held) for t, held in answers],

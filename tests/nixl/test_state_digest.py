@@ -18,7 +18,7 @@ import pytest
 from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.core.protocol import Welcome
-from rig import devices
+from rig import devices, nixl_peers
 from rig.fault_receiver import StateCorruptingReceiver, corrupted, flip_pages
 from pd_connector.engine.state_digest import StateDigester
 from pd_connector.engine.metadata import RecvTask, SendLease
@@ -52,7 +52,7 @@ def blocks(pairs, side: int) -> list[list[int]]:
 def pair():
     p = make_engine("layer_major_dense", 40, seed=21)
     d = make_engine("layer_major_dense", 56, seed=None)
-    d.transport.add_peer("engine-p", p.transport.agent_metadata, p.regions)
+    d.add_peer("engine-p", p.transport.agent_metadata, p.regions)
     yield p, d
     d.transport.close()
     p.transport.close()
@@ -91,11 +91,13 @@ def test_digest_matches_across_speculative_widths_after_the_read():
     (``compat._state_regions``); the digest covers its state rows and the whole SSM state."""
     p, d = gdn_engine(2, seed=1), gdn_engine(1, seed=2)
     try:
-        d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)
+        planner = nixl_peers.add_peer(
+            d.transport, "p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name
+        )
         p_dig, d_dig = gdn_digester(p), gdn_digester(d)
         sent = p_dig.digest([[4]], [0])
         assert d_dig.digest([[1]], [0]) != sent
-        li, ri = d.transport.planner("p").indices([[(4, 1)]])
+        li, ri = planner.indices([[(4, 1)]])
         handle = d.transport.read("p", li, ri, b"")
         deadline = time.monotonic() + TIMEOUT_S
         while d.transport.state(handle) != "DONE":

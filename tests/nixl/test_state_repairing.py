@@ -17,7 +17,7 @@ import torch
 
 from pd_connector.transport.nixl import DONE
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
-from rig import devices
+from rig import devices, nixl_peers
 
 CONV_KERNEL, CONV_DIM = 4, 96
 SSM_SHAPE = (2, 16, 8)
@@ -63,8 +63,10 @@ def test_state_of_another_speculative_width_lands_where_d_reads_it(p_spec, d_spe
     p, d = _engine(p_spec, seed=1), _engine(d_spec, seed=2)
     try:
         assert [r.name for r in p.regions] == ["gdn.0#0", "gdn.0#1", "gdn.1#0", "gdn.1#1"]
-        d.transport.add_peer("p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name)
-        local_idx, remote_idx = d.transport.planner("p").indices([[(4, 1)]])  # P's slot 4 -> D's slot 1
+        planner = nixl_peers.add_peer(
+            d.transport, "p", p.transport.agent_metadata, p.regions, agent_name=p.transport.name
+        )
+        local_idx, remote_idx = planner.indices([[(4, 1)]])  # P's slot 4 -> D's slot 1
         untouched_before = devices.host(d.buf)[: NUM_BLOCKS * PAGE][2 * PAGE :].copy()
         handle = d.transport.read("p", local_idx, remote_idx, b"")
         deadline = time.monotonic() + 10

@@ -16,7 +16,7 @@ import collections
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,11 +24,12 @@ import pytest
 import torch
 
 from pd_connector.transport import side_channel
-from pd_connector.core.layout import LayoutError
+from pd_connector.core.descriptors import DescriptorError
+from pd_connector.core.read_plan import Planner
 from pd_connector.core.protocol import EngineCompat, GroupDesc, Hello, LayerRegion, Reject, Welcome
 from pd_connector.transport.nixl import DONE, PENDING, NixlTransport
 from pd_connector.engine.from_vllm.regions import regions_from_kv_caches
-from rig import devices
+from rig import devices, nixl_peers
 
 pytestmark = pytest.mark.nixl
 
@@ -101,12 +102,17 @@ def placement(kind: str, num_blocks: int) -> Placement:
 
 @dataclass
 class Engine:
-    """One side: its allocation, page map and NIXL transport."""
+    """One side: its allocation, page map and NIXL transport; as D, the planner of each peer."""
 
     placement: Placement
     buf: torch.Tensor  # the allocation vLLM would make (registered with NIXL)
     transport: NixlTransport
     regions: list[LayerRegion]
+    planners: dict[str, Planner] = field(default_factory=dict)
+
+    def add_peer(self, key: str, agent_metadata: bytes, regions) -> None:
+        """Peer this D with a P as ``key`` (``rig.nixl_peers.add_peer``), keeping its planner."""
+        self.planners[key] = nixl_peers.add_peer(self.transport, key, agent_metadata, regions)
 
     @property
     def mem(self) -> np.ndarray:
@@ -236,7 +242,7 @@ class _Pool:
             self.pairs[kind] = (p, d)
         p, d = self.pairs[kind]
         if not d.transport.has_peer(PEER):
-            d.transport.add_peer(PEER, p.transport.agent_metadata, p.regions)
+            d.add_peer(PEER, p.transport.agent_metadata, p.regions)
         devices.zero(d.buf)
         for e in (p, d, *self.extra_p.values()):
             e.transport.take_notifications()
@@ -290,7 +296,7 @@ PAIR_CASES = {
 
 
 def read_and_wait(d: Engine, pairs, notif: bytes, peer: str = PEER) -> None:
-    wait_done(d.transport, [d.transport.read(peer, *d.transport.planner(peer).indices(pairs), notif)])
+    wait_done(d.transport, [d.transport.read(peer, *d.planners[peer].indices(pairs), notif)])
 
 
 @pytest.mark.parametrize("case", list(PAIR_CASES))
@@ -302,7 +308,7 @@ def test_read_moves_exactly_the_paired_pages(engines, kind, case):
     want, mask = expected_after(d, p, pairs)
     assert mask.any()
 
-    local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
+    local_idx, remote_idx = d.planners[PEER].indices(pairs)
     # block_major_padded packs the two attention layers of a block into one span.
     attn_rows = 1 if kind == "block_major_padded" else len(ATTN_LAYERS)
     n_desc = len(pairs[ATTN]) * attn_rows + len(pairs[MAMBA]) * len(MAMBA_LAYERS)
@@ -338,7 +344,7 @@ def test_many_concurrent_reads_each_notify_once(engines, kind):
     want, mask = expected_after(d, p, union)  # D blocks are disjoint across READs
     handles = []
     for notif, pairs in reads:  # all posted before any is polled
-        handles.append(d.transport.read(PEER, *d.transport.planner(PEER).indices(pairs), notif))
+        handles.append(d.transport.read(PEER, *d.planners[PEER].indices(pairs), notif))
     wait_done(d.transport, handles)
 
     assert_bytes(d, want)
@@ -350,14 +356,14 @@ def test_reads_from_two_prefill_engines_notify_only_their_source(pool, engines):
     kind = "block_major_padded"
     p1, d = engines(kind)
     p2 = pool.second_p(kind)
-    d.transport.add_peer("p2", p2.transport.agent_metadata, p2.regions)
+    d.add_peer("p2", p2.transport.agent_metadata, p2.regions)
     try:
         pairs1 = [[(2, 3), (3, 4)], [(5, 6)]]
         pairs2 = [[(2, 7), (9, 8)], [(5, 10)]]  # same P block ids, other engine, other D blocks
         want1, _ = expected_after(d, p1, pairs1)
         want2, m2 = expected_after(d, p2, pairs2)
-        h1 = d.transport.read(PEER, *d.transport.planner(PEER).indices(pairs1), b"from-p1")
-        h2 = d.transport.read("p2", *d.transport.planner("p2").indices(pairs2), b"from-p2")
+        h1 = d.transport.read(PEER, *d.planners[PEER].indices(pairs1), b"from-p1")
+        h2 = d.transport.read("p2", *d.planners["p2"].indices(pairs2), b"from-p2")
         wait_done(d.transport, [h1, h2])
         want1[m2] = want2[m2]
         assert_bytes(d, want1)
@@ -376,7 +382,7 @@ def test_read_again_after_peer_removed_and_re_added(engines):
     d.transport.remove_peer(PEER)
     assert not d.transport.has_peer(PEER)
     devices.zero(d.buf)
-    d.transport.add_peer(PEER, p.transport.agent_metadata, p.regions)
+    d.add_peer(PEER, p.transport.agent_metadata, p.regions)
     read_and_wait(d, pairs, b"b")
     assert_bytes(d, want)
     assert collect_notifications(p.transport, 2) == {b"a": 1, b"b": 1}
@@ -416,7 +422,7 @@ def test_handshake_over_side_channel_then_read(engines, free_port):
         server.close()
     assert isinstance(reply, Welcome)
     assert reply.regions == list(p.regions) and reply.agent_name == p.transport.name
-    d.transport.add_peer(PEER, reply.agent_metadata, reply.regions)
+    d.add_peer(PEER, reply.agent_metadata, reply.regions)
     pairs = [[(4, 9), (5, 10)], [(6, 2)]]
     want, _ = expected_after(d, p, pairs)
     read_and_wait(d, pairs, b"r1")
@@ -430,10 +436,10 @@ def test_handshake_over_side_channel_then_read(engines, free_port):
 def test_plan_with_no_pairs_returns_empty_arrays(engines):
     _, d = engines("block_major_padded")
     for pairs in ([], [[], []], [[]]):
-        local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
+        local_idx, remote_idx = d.planners[PEER].indices(pairs)
         assert local_idx.size == remote_idx.size == 0
         assert local_idx.dtype == remote_idx.dtype == np.int32
-        assert d.transport.planner(PEER).count_runs(local_idx, remote_idx) == 0
+        assert d.planners[PEER].count_runs(local_idx, remote_idx) == 0
 
 
 def test_nixl_refuses_a_read_with_zero_descriptors(engines):
@@ -458,9 +464,9 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
     }
     runs = {}
     for name, pairs in cases.items():
-        local_idx, remote_idx = d.transport.planner(PEER).indices(pairs)
+        local_idx, remote_idx = d.planners[PEER].indices(pairs)
         assert local_idx.size == 5 * layers
-        runs[name] = d.transport.planner(PEER).count_runs(local_idx, remote_idx)
+        runs[name] = d.planners[PEER].count_runs(local_idx, remote_idx)
         devices.zero(d.buf)
         want, _ = expected_after(d, p, pairs)
         read_and_wait(d, pairs, name.encode())
@@ -472,8 +478,8 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
         "two_runs": 2 * layers,
     }
     # A Mamba slot is one page per Mamba layer.
-    local_idx, remote_idx = d.transport.planner(PEER).indices([[], [(3, 4)]])
-    assert d.transport.planner(PEER).count_runs(local_idx, remote_idx) == len(MAMBA_LAYERS)
+    local_idx, remote_idx = d.planners[PEER].indices([[], [(3, 4)]])
+    assert d.planners[PEER].count_runs(local_idx, remote_idx) == len(MAMBA_LAYERS)
 
 
 @pytest.mark.parametrize(
@@ -490,20 +496,20 @@ def test_descriptor_count_contiguous_runs_merge_scattered_do_not(engines):
 )
 def test_plan_refuses_out_of_range_block_ids(engines, pairs, side):
     _, d = engines("block_major_padded")
-    with pytest.raises(LayoutError, match=f"{side} block id out of range"):
-        d.transport.planner(PEER).indices(pairs)
+    with pytest.raises(DescriptorError, match=f"{side} block id out of range"):
+        d.planners[PEER].indices(pairs)
 
 
 def test_plan_refuses_pairs_for_a_group_without_layers(engines):
     _, d = engines("block_major_padded")
-    with pytest.raises(LayoutError, match="group 2 has blocks to move but no registered layers"):
-        d.transport.planner(PEER).indices([[], [], [(1, 1)]])
+    with pytest.raises(DescriptorError, match="group 2 has blocks to move but no registered layers"):
+        d.planners[PEER].indices([[], [], [(1, 1)]])
 
 
 def test_plan_block_id_beyond_int64_raises_layout_error_not_overflow(engines):
     _, d = engines("block_major_padded")
-    with pytest.raises(LayoutError):
-        d.transport.planner(PEER).indices([[(2**63, 1)], []])
+    with pytest.raises(DescriptorError):
+        d.planners[PEER].indices([[(2**63, 1)], []])
 
 
 # --- peer validation ------------------------------------------------------------------------
@@ -530,11 +536,11 @@ def _tamper(regions, index, **changes):
 def test_add_peer_refuses_mismatched_regions_naming_the_layer(engines, index, changes, named):
     p, d = engines("block_major_padded")
     tampered = _tamper(p.regions, index, **changes)
-    with pytest.raises(LayoutError, match=rf"(layer mismatch: .*|state ){re.escape(named)}\b"):
-        d.transport.add_peer("tampered", p.transport.agent_metadata, tampered)
+    with pytest.raises(DescriptorError, match=rf"(layer mismatch: .*|state ){re.escape(named)}\b"):
+        d.add_peer("tampered", p.transport.agent_metadata, tampered)
     assert not d.transport.has_peer("tampered")
-    with pytest.raises(LayoutError, match="layer count differs: local 4, remote 3"):
-        d.transport.add_peer("tampered", p.transport.agent_metadata, p.regions[:3])
+    with pytest.raises(DescriptorError, match="layer count differs: local 4, remote 3"):
+        d.add_peer("tampered", p.transport.agent_metadata, p.regions[:3])
     assert not d.transport.has_peer("tampered")
 
 
@@ -547,9 +553,9 @@ def test_add_peer_regions_outside_peer_registration_refused_by_nixl_then_retry_w
     d.transport.remove_peer(PEER)
     too_many = _tamper(p.regions, 3, num_blocks=P_BLOCKS + 8)
     with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
-        d.transport.add_peer(PEER, p.transport.agent_metadata, too_many)
+        d.add_peer(PEER, p.transport.agent_metadata, too_many)
     assert not d.transport.has_peer(PEER)
-    d.transport.add_peer(PEER, p.transport.agent_metadata, p.regions)
+    d.add_peer(PEER, p.transport.agent_metadata, p.regions)
     pairs = [[(1, 2)], [(P_BLOCKS - 1, 3)]]
     want, _ = expected_after(d, p, pairs)
     read_and_wait(d, pairs, b"ok")
@@ -579,9 +585,9 @@ def test_an_agent_with_a_progress_delay_still_completes_reads_only_d_polls():
         eng.transport = devices.transport(progress_delay_us=100)
         eng.transport.register([(eng.buf.data_ptr(), eng.placement.nbytes, 0)], eng.regions)
     try:
-        d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+        d.add_peer("p", p.transport.agent_metadata, p.regions)
         pairs = [[(1, 3), (7, 9), (4, 5)], [(3, 11)]]
-        li, ri = d.transport.planner("p").indices(pairs)
+        li, ri = d.planners["p"].indices(pairs)
         handle = d.transport.read("p", li, ri, b"delayed")
         deadline = time.monotonic() + TIMEOUT_S
         while (state := d.transport.state(handle)) == PENDING:

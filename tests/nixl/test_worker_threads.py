@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from pd_connector.core import layout
+from pd_connector.core import descriptors
 from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metadata import RecvTask
@@ -70,7 +70,7 @@ def test_worker_threads_move_exactly_the_paired_pages(threaded, kind, case):
     p_before = p.mem.copy()
     want, mask = expected_after(d, p, pairs)
     notif = f"threads-{kind}-{case}".encode()
-    wait_done(d.transport, [d.transport.read("p", *d.transport.planner("p").indices(pairs), notif)])
+    wait_done(d.transport, [d.transport.read("p", *d.planners["p"].indices(pairs), notif)])
     assert_bytes(d, want)
     assert not d.mem[~mask].any(), "a byte outside the paired D pages changed"
     assert np.array_equal(p.mem, p_before), "a READ modified the prefill side"
@@ -88,8 +88,8 @@ def test_worker_threads_notify_p_only_after_every_chunk_landed(threaded):
     d_ids = rng.sample(range(1, BIG_BLOCKS), 1501)
     pairs = [list(zip(p_ids, d_ids[:1500])), [(rng.randrange(1, BIG_BLOCKS), d_ids[1500])]]
     want, _ = expected_after(d, p, pairs)
-    li, ri = d.transport.planner("p").indices(pairs)
-    assert d.transport.planner("p").count_runs(li, ri) > 2 * THREADS
+    li, ri = d.planners["p"].indices(pairs)
+    assert d.planners["p"].count_runs(li, ri) > 2 * THREADS
     for attempt in range(3):
         devices.zero(d.buf)
         notif = f"big-{attempt}".encode()
@@ -112,10 +112,10 @@ def test_long_runs_are_cut_for_the_threads_and_nixl_merges_exactly_as_counted(th
     count the connector reports: the reversed pieces are not merged back."""
     p, d = threaded("layer_major_dense", BIG_BLOCKS)
     pairs = [[(b, b + 7) for b in range(1, 1001)], [(1200, 1300)]]
-    li, ri = d.transport.planner("p").indices(pairs)
-    planner = d.transport.planner("p")
-    uncut = planner.count_runs(*layout.plan_indices(pairs, planner.local, planner.remote))
-    runs = d.transport.planner("p").count_runs(li, ri)
+    li, ri = d.planners["p"].indices(pairs)
+    planner = d.planners["p"]
+    uncut = planner.count_runs(*descriptors.plan_indices(pairs, planner.local, planner.remote))
+    runs = d.planners["p"].count_runs(li, ri)
     assert uncut == 2 + 2 and runs > 2 * THREADS
     handle = d.transport.read("p", li, ri, b"cut")
     try:
@@ -134,7 +134,7 @@ def test_an_odd_run_count_is_posted_in_two_slices_notifying_once_after_the_last(
     post waits. The third goes in a second slice; P hears once, after it."""
     p, d = threaded("block_major_padded")
     pairs = [[(7, 2), (1, 9), (4, 5)], []]
-    plan = d.transport.planner("p").plan(pairs, 1 << 20)
+    plan = d.planners["p"].plan(pairs, 1 << 20)
     assert plan.runs == 3
     assert plan.bounds == [(0, 2), (2, 3)]
     xfer = ChunkedRead(d.transport, "p", plan, b"odd")
@@ -160,7 +160,7 @@ def test_worker_threads_many_concurrent_reads_each_notify_once(threaded):
         reads.append((f"t-{k}".encode(), pairs))
     union = [[pr for _, pairs in reads for pr in pairs[g]] for g in (ATTN, MAMBA)]
     want, mask = expected_after(d, p, union)
-    handles = [d.transport.read("p", *d.transport.planner("p").indices(pairs), notif) for notif, pairs in reads]
+    handles = [d.transport.read("p", *d.planners["p"].indices(pairs), notif) for notif, pairs in reads]
     wait_done(d.transport, handles)
     assert_bytes(d, want)
     assert not d.mem[~mask].any()
@@ -183,7 +183,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             receiver.advance()
-            slices |= {r.xfer.slices for r in receiver._reads.values()}
+            slices |= {r.xfer.slices for r in receiver.reads()}
             done, failed = receiver.take_results()
             assert not failed
             if done:
@@ -198,7 +198,7 @@ def test_receiver_posts_a_threaded_read_whole_whatever_the_slice_size(threaded, 
         receiver.close()
         server.close()
         if not d.transport.has_peer("p"):
-            d.transport.add_peer("p", p.transport.agent_metadata, p.regions)
+            d.add_peer("p", p.transport.agent_metadata, p.regions)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -210,7 +210,7 @@ def test_without_peer_error_handling_threads_move_the_paired_pages_and_notify_on
         p, d = get(kind)
         pairs = [list(PAIR_CASES["scattered"][0]), list(PAIR_CASES["scattered"][1])]
         want, mask = expected_after(d, p, pairs)
-        wait_done(d.transport, [d.transport.read("p", *d.transport.planner("p").indices(pairs), b"no-peer")])
+        wait_done(d.transport, [d.transport.read("p", *d.planners["p"].indices(pairs), b"no-peer")])
         assert_bytes(d, want)
         assert not d.mem[~mask].any()
         assert collect_notifications(p.transport, 1) == {b"no-peer": 1}

@@ -22,6 +22,7 @@ from pd_connector.core.checkpoints import (
     CheckpointRule,
     checkpoint_pairs,
     checkpoint_slot,
+    checkpoint_to_keep,
     checkpoint_to_pin,
     checkpoints_not_computed,
     checkpoints_to_hand_over,
@@ -30,7 +31,7 @@ from pd_connector.core.checkpoints import (
     place_checkpoints,
     state_blocks,
 )
-from pd_connector.core.handoff import RecomputeProfile, checkpoint_to_keep, mamba_checkpoint_position, plan_handoff
+from pd_connector.core.handoff import plan_handoff
 from pd_connector.core.leases import GRANTED, MISMATCH, LeaseTable
 from pd_connector.core.pairing import ATTENTION, MAMBA, GroupLayout
 from pd_connector.core.params import (
@@ -41,6 +42,7 @@ from pd_connector.core.params import (
     encode_handoff_params,
 )
 from pd_connector.core.protocol import CheckpointBlocks, Claim, ProtocolError, decode_message, encode_message
+from pd_connector.core.recompute_profile import RecomputeProfile, mamba_checkpoint_position
 
 FAST = settings(max_examples=300, deadline=None)
 
@@ -176,7 +178,7 @@ def test_checkpoints_lie_on_the_grid_and_inside_the_prompt(n, rule):
 
 
 def p_junction(n: int, offset: int, rule: CheckpointRule) -> int:
-    """The shared-prefix boundary P pins (engine/prefill_half.py): its own next turn's
+    """The shared-prefix boundary P pins (engine/prefill/prefill_scheduler.py): its own next turn's
     checkpoint first, else one for D."""
     profile = rule.profile
     plan = plan_handoff(n, profile)
@@ -389,17 +391,19 @@ def test_resume_state_takes_the_mamba_state_from_the_checkpoint_at_the_offset():
     assert resume_state(source, states[:1], 128) is None
 
 
-def test_states_to_pin_adds_the_resume_state_only_for_a_hybrid_computing_past_r():
-    from pd_connector.core.checkpoints import prefill_length, states_to_pin, whole_prompt_states
+def test_p_pins_the_resume_state_only_for_a_hybrid_computing_past_r():
+    from pd_connector.core.checkpoints import prefill_checkpoints, whole_prompt_states
     from pd_connector.core.handoff import HandoffPlan
     from pd_connector.core.pairing import GroupLayout
 
     rule = rule_of(block_size=64, unit=64)
+    hybrid, attention_only = rule.profile, msgspec.structs.replace(rule.profile, has_recurrent_state=False)
     whole, truncated = HandoffPlan(128, 128, whole_prompt=True), HandoffPlan(132, 128)
-    assert prefill_length(133, whole) == 133 and prefill_length(133, truncated) == 132
-    assert 128 in states_to_pin(133, whole, True, rule, 0)[0]
-    assert 132 not in states_to_pin(133, truncated, True, rule, 0)[0]  # its tip is the state at R
-    assert 128 not in states_to_pin(133, whole, False, rule, 0)[0]  # attention only: no state
+    assert prefill_checkpoints(133, whole, hybrid, rule).computes == 133
+    assert prefill_checkpoints(133, truncated, hybrid, rule).computes == 132
+    assert 128 in prefill_checkpoints(133, whole, hybrid, rule).wanted
+    assert 132 not in prefill_checkpoints(133, truncated, hybrid, rule).wanted  # its tip is the state at R
+    assert 128 not in prefill_checkpoints(133, whole, attention_only, rule).wanted  # attention only: no state
     # A sliding-window group: no prefix of the whole prompt stays whole.
     assert whole_prompt_states(133, rule, [GroupLayout("sliding_window", 16, sliding_window=32)]) is None
     assert whole_prompt_states(133, rule, [GroupLayout("attention", 16)]) is not None

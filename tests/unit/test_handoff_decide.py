@@ -12,14 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pd_connector.core.handoff import (
-    Accepted,
-    RecomputeProfile,
-    Refused,
-    decide_on_decode,
-    min_recompute_tokens,
-    plan_handoff,
-)
+from pd_connector.core.handoff import Accepted, Refused, decide_on_decode, plan_handoff
 from pd_connector.core.params import (
     encode_handoff_params,
     KEY_MIN_RECOMPUTE,
@@ -28,6 +21,7 @@ from pd_connector.core.params import (
     MAX_BLOCK_ID,
     HandoffParams,
 )
+from pd_connector.core.recompute_profile import RecomputeProfile, min_recompute_tokens
 from pd_connector.core.protocol import PROTOCOL_VERSION
 from rig.handoff_strategies import profiles, prompt_lengths, skew_profiles
 

@@ -1,5 +1,6 @@
 """Pure tests of pd_connector.core.handoff, P's side: the replay offset P chooses
-(``min_recompute_tokens``, ``plan_handoff``, the checkpoint P keeps),
+(``plan_handoff``, on core/recompute_profile.py's ``min_recompute_tokens`` and checkpoint
+position; core/checkpoints.py's ``checkpoint_to_keep`` on the plans it makes),
 what it offers at finish time (``offered_offset``) and the router's requirement field.
 
 No vLLM, NIXL, torch or sockets. vLLM 0.32's implicit backoff rule and its Mamba checkpoint
@@ -13,17 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.core.handoff import (
-    HandoffPlan,
-    RecomputeProfile,
-    checkpoint_to_keep,
-    mamba_checkpoint_position,
-    min_recompute_tokens,
-    offered_offset,
-    pinned_boundary,
-    plan_handoff,
-    requested_min_recompute,
-)
+from pd_connector.core.checkpoints import checkpoint_to_keep, pinned_boundary
+from pd_connector.core.handoff import HandoffPlan, offered_offset, plan_handoff, requested_min_recompute
+from pd_connector.core.recompute_profile import RecomputeProfile, mamba_checkpoint_position, min_recompute_tokens
 from rig.handoff_strategies import profiles, prompt_lengths
 
 # Per-example cost of hypothesis is ~1 ms here; small domains are also enumerated exhaustively

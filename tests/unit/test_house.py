@@ -79,7 +79,7 @@ def imported(source: str, name: str) -> set[str]:
 
 
 def subpackage(module: str) -> str | None:
-    """``pd_connector.core.layout`` -> ``core``; a top-level module -> its name; else None."""
+    """``pd_connector.core.descriptors`` -> ``core``; a top-level module -> its name; else None."""
     parts = module.split(".")
     if parts[0] != "pd_connector" or len(parts) < 2:
         return None
@@ -263,8 +263,8 @@ def test_subpackage_imports_only_the_layers_below_it(layer):
 
 
 @pytest.mark.parametrize("name, source", [
-    ("pd_connector.core.layout", "from pd_connector.transport import nixl"),
-    ("pd_connector.core.layout", "import pd_connector.engine.compat"),
+    ("pd_connector.core.descriptors", "from pd_connector.transport import nixl"),
+    ("pd_connector.core.descriptors", "import pd_connector.engine.compat"),
     ("pd_connector.transport.nixl", "from pd_connector.engine.metadata import RecvTask"),
     ("pd_connector.engine.worker_side", "from pd_connector.proxy import server"),
     ("pd_connector.proxy.flow", "from pd_connector.engine import scheduler"),
@@ -279,7 +279,7 @@ def test_layer_check_sees_an_import_across_the_rules(name, source):
 def test_layer_check_allows_the_documented_directions():
     assert layer_violations({
         "pd_connector.core.handoff": "from pd_connector.core.protocol import KEY_VERSION\nimport msgspec",
-        "pd_connector.transport.nixl": "from pd_connector.core import layout",
+        "pd_connector.transport.nixl": "from pd_connector.core import descriptors",
         "pd_connector.engine.decode.receiver": "from pd_connector.transport.nixl import NixlTransport\nfrom pd_connector.core import leases",
         "pd_connector.proxy.server": "from pd_connector.urls import normalize_url\nfrom pd_connector.core.protocol import KEY_REPLAY_OFFSET",
         "pd_connector.check.client": "from pd_connector.urls import OPENER\nimport pd_connector",

@@ -34,10 +34,10 @@ def test_grant_then_complete_finishes_once():
     assert t.holds("a") and len(t) == 1
     assert t.complete("a", now=5.0) is True
     assert not t.holds("a") and len(t) == 0
-    assert t.take_finished() == {"a"}
-    assert t.take_finished() == set()
+    assert t.take_to_free() == {"a"}
+    assert t.take_to_free() == set()
     assert t.expire(1000.0) == []
-    assert t.take_finished() == set()
+    assert t.take_to_free() == set()
 
 
 def test_grant_then_expire_finishes_once():
@@ -46,19 +46,19 @@ def test_grant_then_expire_finishes_once():
     assert t.expire(99.9) == []
     assert t.expire(100.0) == ["a"]  # deadline is inclusive
     assert t.expired_total == 1
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
     assert t.complete("a", now=101.0) is False  # a late notification finishes nothing
     assert t.expire(200.0) == []
-    assert t.take_finished() == set()
+    assert t.take_to_free() == set()
 
 
 def test_early_completion_settles_grant_on_arrival():
     t = LeaseTable()
     assert t.complete("a", now=1.0) is False  # D read before P's worker saw the grant
-    assert t.take_finished() == set()
+    assert t.take_to_free() == set()
     t.grant("a", deadline=500.0)
     assert not t.holds("a")
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
     assert t.expire(10_000.0) == []
     assert t.expired_total == 0
 
@@ -68,11 +68,11 @@ def test_early_completion_forgotten_after_ttl():
     t.complete("a", now=0.0)
     t.expire(MEMORY_TTL)  # exactly the TTL: still remembered
     t.grant("a", deadline=10_000.0)
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
     t.complete("b", now=0.0)
     t.expire(MEMORY_TTL + 0.001)  # past the TTL: forgotten
     t.grant("b", deadline=10_000.0)
-    assert t.holds("b") and t.take_finished() == set()
+    assert t.holds("b") and t.take_to_free() == set()
     assert t.expire(10_000.0) == ["b"]
 
 
@@ -85,7 +85,7 @@ def test_expiry_scans_all_entries_regardless_of_grant_order():
     assert t.expire(50.0) == ["short"]
     assert sorted(t.expire(600.0)) == ["mid"]
     assert t.holds("long")
-    assert t.take_finished() == {"short", "mid"}
+    assert t.take_to_free() == {"short", "mid"}
 
 
 def test_completion_after_expiry_is_not_remembered_as_early():
@@ -93,11 +93,11 @@ def test_completion_after_expiry_is_not_remembered_as_early():
     t.grant("a", deadline=10.0)
     assert t.expire(10.0) == ["a"]
     assert t.complete("a", now=11.0) is False
-    t.take_finished()
+    t.take_to_free()
     # Had the late completion been remembered as "early", a later grant under the same id
     # would be settled at once instead of leasing its blocks.
     t.grant("a", deadline=50.0)
-    assert t.holds("a") and t.take_finished() == set()
+    assert t.holds("a") and t.take_to_free() == set()
 
 
 def test_duplicate_completion_finishes_once():
@@ -105,9 +105,9 @@ def test_duplicate_completion_finishes_once():
     t.grant("a", deadline=100.0)
     assert t.complete("a", 1.0) is True
     assert t.complete("a", 2.0) is False  # NIXL notification and side-channel release both
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
     assert t.expire(1000.0) == []
-    assert t.take_finished() == set()
+    assert t.take_to_free() == set()
 
 
 # --- claims -----------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_claim_after_completion_is_refused_at_once_not_left_pending():
     t.complete("a", now=1.0)
     outcome, why = t.claim("a", 40, BLOCKS, now=2.0, extend_to=300.0, reader="d#0/x")
     assert outcome == ENDED and "already ended" in why
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
     t.expire(1.0 + MEMORY_TTL + 1)  # forgotten after the memory's time
     assert t.claim("a", 40, BLOCKS, now=2.0 + MEMORY_TTL, extend_to=0.0)[0] == UNKNOWN
 
@@ -235,9 +235,9 @@ def test_lease_for_n_requests_ends_after_a_reader_of_each():
     for reader in ("d#0/0_x", "d#0/1_x"):
         assert t.claim("a", 40, BLOCKS, now=1.0, extend_to=600.0, reader=reader)[0] == GRANTED
     assert t.complete("a", 2.0, reader="d#0/0_x") is False
-    assert t.holds("a") and t.take_finished() == set()
+    assert t.holds("a") and t.take_to_free() == set()
     assert t.complete("a", 3.0, reader="d#0/1_x") is True
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
 
 
 def test_blocks_are_never_freed_under_a_granted_read():
@@ -250,7 +250,7 @@ def test_blocks_are_never_freed_under_a_granted_read():
     assert t.complete("a", 2.0, reader="A") is False
     assert t.expire(300.0) == []  # B's claim extended it, and B is still reading
     assert t.complete("a", 301.0, reader="B") is True
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
 
 
 def test_whole_release_waits_for_granted_readers_and_refuses_new_claims():
@@ -260,7 +260,7 @@ def test_whole_release_waits_for_granted_readers_and_refuses_new_claims():
     assert t.complete("a", 2.0) is False  # D's scheduler released it: A still reads
     assert t.claim("a", 40, BLOCKS, now=2.0, extend_to=600.0, reader="B")[0] == ENDED
     assert t.complete("a", 3.0, reader="A") is True
-    assert t.take_finished() == {"a"}
+    assert t.take_to_free() == {"a"}
 
 
 def test_readers_still_due_get_the_claim_deadline_not_the_extended_lease():
@@ -318,12 +318,12 @@ def test_no_lease_ends_under_a_granted_reader_except_at_its_deadline(requests, o
             assert not ended or granted <= done
         else:
             t.expire(now)
-        finished += len(t.take_finished())
+        finished += len(t.take_to_free())
         assert finished <= 1
         if finished:
             break
     t.expire(float("inf"))
-    assert finished + len(t.take_finished()) == 1
+    assert finished + len(t.take_to_free()) == 1
 
 
 # --- random interleavings: each granted id finishes exactly once -------------------------------
@@ -347,7 +347,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.expired = 0
 
     def _take(self):
-        got = self.t.take_finished()
+        got = self.t.take_to_free()
         for rid in got:
             self.finished[rid] += 1
             assert rid in self.granted, f"{rid} finished but never granted"
@@ -473,9 +473,9 @@ def test_random_operation_sequences_finish_each_granted_id_once(ops):
         elif op == "expire":
             t.expire(now)
         elif op == "take":
-            finished.update(t.take_finished())
+            finished.update(t.take_to_free())
     t.expire(float("inf"))
-    finished.update(t.take_finished())
+    finished.update(t.take_to_free())
     assert set(finished) == granted
     assert all(c == 1 for c in finished.values())
 
@@ -491,7 +491,7 @@ def test_many_leases_with_shuffled_deadlines(n):
         got.extend(t.expire(float(now)))
         assert all(deadlines[r] <= now for r in got)
     assert sorted(got) == sorted(deadlines)
-    assert t.take_finished() == set(deadlines)
+    assert t.take_to_free() == set(deadlines)
 
 
 def test_d_extends_every_third_of_a_lease_but_never_faster_than_the_floor():
@@ -512,22 +512,22 @@ def test_a_lease_with_two_readers_ends_after_both_and_a_repeat_counts_once():
     assert t.claim("r", 3, [[1]], now=1.0, extend_to=50.0, readers=2)[0] == GRANTED
     assert not t.complete("r", 2.0, reader="d#0/x", readers=2)
     assert not t.complete("r", 2.1, reader="d#0/x", readers=2)  # the same reader again
-    assert t.take_finished() == set()
+    assert t.take_to_free() == set()
     assert t.complete("r", 2.2, reader="d#1/x", readers=2)
-    assert t.take_finished() == {"r"}
+    assert t.take_to_free() == {"r"}
 
 
 def test_readers_that_complete_before_the_grant_settle_it_on_arrival():
     t = LeaseTable()
     t.complete("r", 1.0, reader="a", readers=2)
     t.grant("r", deadline=100.0)
-    assert t.take_finished() == set() and t.holds("r")
+    assert t.take_to_free() == set() and t.holds("r")
     t.complete("r", 1.5, reader="b", readers=2)
-    assert t.take_finished() == {"r"}
+    assert t.take_to_free() == {"r"}
     t.complete("s", 1.0, reader="a", readers=2)
     t.complete("s", 1.1, reader="b", readers=2)
     t.grant("s", deadline=100.0)
-    assert t.take_finished() == {"s"} and not t.holds("s")
+    assert t.take_to_free() == {"s"} and not t.holds("s")
 
 
 def test_a_release_without_reader_ends_a_lease_other_readers_still_hold():
@@ -535,7 +535,7 @@ def test_a_release_without_reader_ends_a_lease_other_readers_still_hold():
     t.grant("r", deadline=100.0)
     t.complete("r", 1.0, reader="a", readers=3)
     assert t.complete("r", 1.1)  # D's scheduler: nobody will read
-    assert t.take_finished() == {"r"}
+    assert t.take_to_free() == {"r"}
 
 
 @given(st.integers(1, 4), st.lists(st.integers(0, 5), max_size=12), st.booleans())
@@ -554,7 +554,7 @@ def test_a_lease_ends_exactly_when_its_last_distinct_reader_completes(readers, o
             finished_at = i
     if early:
         t.grant("r", deadline=1e9)
-    assert (t.take_finished() == {"r"}) == (finished_at is not None)
+    assert (t.take_to_free() == {"r"}) == (finished_at is not None)
     assert t.holds("r") == (finished_at is None)
 
 
@@ -567,7 +567,7 @@ def test_a_repeated_early_release_is_remembered_from_the_latest_one():
     table.complete("r0", 301.0)
     table.expire(301.0)
     table.grant("r0", 301.0, 0, [])
-    assert not table.holds("r0") and table.take_finished() == {"r0"}
+    assert not table.holds("r0") and table.take_to_free() == {"r0"}
 
 
 # --- the bounded hold (no lease outlives max_hold after its grant) -----------------------------

@@ -578,9 +578,9 @@ def test_block_pairs_read_as_the_list_of_pairs():
 @pytest.mark.parametrize("remote, local", [([4, 5, 6], [9, 8, 7]), ([3], [2]), ([], [])])
 def test_block_pairs_give_the_worker_the_same_descriptors_as_tuples(remote, local):
     """The worker turns pairs into NIXL descriptor indices with numpy
-    (layout.descriptor_indices): BlockPairs must give exactly what a list of tuples gives."""
+    (descriptors.descriptor_indices): BlockPairs must give exactly what a list of tuples gives."""
     np = pytest.importorskip("numpy")
-    from pd_connector.core.layout import descriptor_indices
+    from pd_connector.core.descriptors import descriptor_indices
 
     regions = {0: np.array([0, 1])}
     offsets, blocks = np.array([0, 100]), np.array([50, 50])

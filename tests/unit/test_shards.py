@@ -151,7 +151,7 @@ def test_mamba2_states_land_once_including_replicated_groups(pair, h, hd, s, g, 
         return mamba2_layer(h, hd, s, g, kernel, sp if tp == p else sd, elems, dim_first, tp, r)
 
     if p == d:
-        sd = sp  # equal TP never comes here with other scratch rows (layout.reconcile_regions)
+        sd = sp  # equal TP never comes here with other scratch rows (descriptors.reconcile_regions)
     if dim_first and sp != sd:
         with pytest.raises(shards.ShardError, match="unit is"):
             check_pair(layer, p, d)

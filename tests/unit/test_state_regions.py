@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_connector.core.layout import LayoutError, reconcile_regions, state_rows_only
+from pd_connector.core.descriptors import DescriptorError, reconcile_regions, state_rows_only
 from pd_connector.core.protocol import LayerRegion
 
 
@@ -47,7 +47,7 @@ def test_conv_states_that_differ_by_speculative_rows_copy_the_state_rows(conv_ke
 def test_a_difference_not_explained_by_speculative_rows_is_refused():
     p = _mamba_layer("gdn.0", 4, 32, 512, 2, addr=0)
     d = _mamba_layer("gdn.0", 3, 32, 512, 2, addr=0)  # another conv kernel: 4 rows vs 5 rows
-    with pytest.raises(LayoutError, match=r"state gdn\.0#0: .*differ beyond speculative rows"):
+    with pytest.raises(DescriptorError, match=r"state gdn\.0#0: .*differ beyond speculative rows"):
         reconcile_regions(d, p)
 
 
@@ -56,14 +56,14 @@ def test_ds_orientation_with_other_speculative_counts_is_refused():
     rows_p, rows_d = 64, 64
     p = LayerRegion("gdn.0#0", 1, 0, 1 << 20, rows_p * (3 + 2) * 2, 8, rows=rows_p, scratch_rows=2)
     d = LayerRegion("gdn.0#0", 1, 0, 1 << 20, rows_d * (3 + 1) * 2, 8, rows=rows_d, scratch_rows=1)
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         reconcile_regions([d], [p])
 
 
 def test_attention_pages_of_other_sizes_are_refused():
     p = LayerRegion("attn.0", 0, 0, 4096, 4096, 8)
     d = LayerRegion("attn.0", 0, 0, 2048, 2048, 8)
-    with pytest.raises(LayoutError, match="attn.0"):
+    with pytest.raises(DescriptorError, match="attn.0"):
         reconcile_regions([d], [p])
 
 

@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_connector.core import trust
-from pd_connector.core.handoff import Accepted, RecomputeProfile, Refused, decide_on_decode, trusted_release_target
+from pd_connector.core.handoff import Accepted, Refused, decide_on_decode, trusted_release_target
 from pd_connector.core.params import KEY_CHECKPOINTS, KEY_FIRST_TOKEN, encode_handoff_params
 from pd_connector.core.protocol import CheckpointBlocks
+from pd_connector.core.recompute_profile import RecomputeProfile
 
 SECRET = b"s3cret-shared-by-p-and-d"
 KEY = trust.seal_key(SECRET)
@@ -253,7 +254,7 @@ def test_negative_control_loopback_or_a_secret_says_nothing(host, secret):
 
 
 def test_zero_replay_registers_the_checkpoints_of_ps_prompt_not_ds():
-    from pd_connector.core.handoff import checkpoint_prompt_length
+    from pd_connector.core.checkpoints import checkpoint_prompt_length
 
     zero = decide(issued(offset=12, first_token=42), SEALED, n=13, token_at=(list(range(12)) + [42]).__getitem__)
     assert checkpoint_prompt_length(zero, 13) == 12

@@ -27,7 +27,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 from pd_connector.core import checkpoints
-from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
+from pd_connector.core.handoff import plan_handoff
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from pd_connector.core.params import KEY_CHECKPOINTS
 from rig.cpu_matrix import random_prompt
 from rig.tiny_models import build_model

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_cache_interface import MambaSpec, get_mamba_prefill_checkpoint_position
 
-from pd_connector.core.handoff import RecomputeProfile, mamba_checkpoint_position, min_recompute_tokens, plan_handoff
+from pd_connector.core.handoff import plan_handoff
+from pd_connector.core.recompute_profile import RecomputeProfile, mamba_checkpoint_position, min_recompute_tokens
 
 units = st.sampled_from([8, 16, 32, 64, 384, 640])
 

@@ -12,7 +12,7 @@ harness samples no drafts, and its aggregated request never finishes there):
   unbounded, is tests/vllm/test_replay_turns.py), P keeps the whole prompt's checkpoint for its
   own next turn, though its prompt was truncated
   (vLLM's default retention interval 0 derives kept states from the truncated prompt, so P pins
-  the whole prompt's as the request's shared-prefix boundary, handoff.checkpoint_to_keep): P's
+  the whole prompt's as the request's shared-prefix boundary, checkpoints.checkpoint_to_keep): P's
   turn-2 hit is at least the aggregated instance's prompt-only hit, except where that hit needs
   KV or state past the tokens P computed (N - tail; the state after the whole prompt, or, with
   the EAGLE drop, the attention block above the checkpoint, plus multi-module MTP's
@@ -32,7 +32,7 @@ from rig.scheduler_harness import make_request, make_scheduler, run_step
 from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from vllm.v1.outputs import KVConnectorOutput
 
-from pd_connector.core.handoff import min_recompute_tokens
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from rig.cpu_matrix import random_prompt
 from rig.tiny_models import build_model
 

@@ -22,7 +22,8 @@ import pytest
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
 from pd_connector.core import checkpoints
-from pd_connector.core.handoff import min_recompute_tokens, plan_handoff
+from pd_connector.core.handoff import plan_handoff
+from pd_connector.core.recompute_profile import min_recompute_tokens
 from rig.cpu_matrix import random_prompt
 from rig.scheduler_harness import make_request
 from tests.vllm.test_prefix_cache_turns import B, _decode, _scheduler, _serve, models  # noqa: F401

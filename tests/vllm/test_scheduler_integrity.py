@@ -324,7 +324,8 @@ def test_bounded_replay_window_backs_off_one_token_as_vllm_does_not_the_whole_wi
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
-    from pd_connector.core.handoff import plan_handoff, min_recompute_tokens
+    from pd_connector.core.handoff import plan_handoff
+    from pd_connector.core.recompute_profile import min_recompute_tokens
     from pd_connector.engine.from_vllm.vllm_config import profile_from_vllm
 
     spec = SlidingWindowMLASpec(

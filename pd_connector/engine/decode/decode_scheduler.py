@@ -21,6 +21,7 @@ from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.leases import extension_interval
 from pd_connector.core.pairing import GroupLayout
 from pd_connector.core.params import LeaseRef
+from pd_connector.core.recompute_profile import RecomputeProfile
 from pd_connector.engine.checkpoint_pool import CheckpointPool
 from pd_connector.engine.from_vllm import identity
 from pd_connector.engine.metadata import ExtendTask, ReleaseTask, RecvTask, extend_tasks
@@ -65,7 +66,7 @@ class DecodeScheduler:
     def __init__(
         self,
         settings: ConnectorSettings,
-        profile: handoff.RecomputeProfile,
+        profile: RecomputeProfile,
         layouts: tuple[GroupLayout, ...],
         group_ids: tuple[int, ...],
         all_groups_transfer: bool,
@@ -148,8 +149,7 @@ class DecodeScheduler:
         decision = self.resume_decision(request, params, decision)
         if self._checkpoints is not None:
             withheld = not self.places_checkpoints(request, params)
-            prompt_len = handoff.checkpoint_prompt_length(decision, request.num_prompt_tokens)
-            placed = self._checkpoints.placeable(params, prompt_len, decision.replay_offset, withheld)
+            placed = self._checkpoints.placeable(params, decision, request.num_prompt_tokens, withheld)
             if placed:
                 decision = msgspec.structs.replace(decision, checkpoints=placed)
         self._decisions[request.request_id] = decision

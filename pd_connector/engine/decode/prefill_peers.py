@@ -1,12 +1,12 @@
 """D's connections to prefill engines, on one TP rank: one background handshake per P engine
-(all the P ranks this rank pairs with), the shard plan when the TP sizes differ, the phase plan
-when attention block sizes do (``core/block_phases.py``), and a transport
-peer per P rank (``engine_id#rank``). A failed connection is remembered until no load waits for
-it, so a later request retries (P may have restarted). An engine no load has used for
-``prefill_engine_idle_seconds`` is forgotten: vLLM gives every P start a fresh engine id
-(``engine_id`` defaults to a random UUID, vllm/config/kv_transfer.py), so an engine that
-restarted or scaled away would otherwise hold its NIXL agent, descriptor lists and sockets on
-every D rank for the life of D."""
+(all the P ranks this rank pairs with), what to read from each (``read_plan.plan_engine``: the
+shard plan when the TP sizes differ, the phase plan when attention block sizes do), and per P
+rank a transport peer (``engine_id#rank``) with the ``Planner`` of its READs. A failed
+connection is remembered until no load waits for it, so a later request retries (P may have
+restarted). An engine no load has used for ``prefill_engine_idle_seconds`` is forgotten: vLLM
+gives every P start a fresh engine id (``engine_id`` defaults to a random UUID,
+vllm/config/kv_transfer.py), so an engine that restarted or scaled away would otherwise hold
+its NIXL agent, descriptor lists and sockets on every D rank for the life of D."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pd_connector.core import block_phases, shards
+from pd_connector.core import block_phases, read_plan, shards
 from pd_connector.core.params import LeaseRef
 from pd_connector.engine.metrics import Recorder
 from pd_connector.transport.nixl import NixlTransport
@@ -26,12 +26,13 @@ logger = logging.getLogger("vllm.pd_connector")
 
 
 @dataclass
-class _Engine:
+class ConnectedEngine:
     """A connected P engine: the transport peer key per paired P rank (None: this rank reads
-    nothing from it), the P ranks' NIXL agent names (a restarted P has new ones), and when a
-    load last asked for it."""
+    nothing from it), each peer's READ planner, the P ranks' NIXL agent names (a restarted P
+    has new ones), and when a load last asked for it."""
 
     sources: dict[int, str | None]
+    planners: dict[str, read_plan.Planner]
     agents: dict[int, str]
     side_channels: tuple[tuple[str, int], ...] = ()
     block_sizes: tuple[int, ...] = ()  # P's per transfer group, from its handshake
@@ -54,7 +55,7 @@ class PrefillPeers:
         self._submit = submit
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.recorder = recorder
-        self.engines: dict[str, _Engine] = {}
+        self.engines: dict[str, ConnectedEngine] = {}
         self.errors: dict[str, tuple[str, str]] = {}  # engine id -> (why, kind)
         self._connecting: dict[str, tuple[Future, LeaseRef]] = {}
         self.idle_seconds = idle_seconds
@@ -118,7 +119,7 @@ class PrefillPeers:
                 [rank for rank, _, _ in answers],
             )
 
-    def _add_engine(self, key: str, answers, prefill: LeaseRef) -> _Engine:
+    def _add_engine(self, key: str, answers, prefill: LeaseRef) -> ConnectedEngine:
         """Load the paired P ranks' agents and prepare what to read from each."""
         p = answers[0][1].tp_size
         welcome_of = {rank: welcome for rank, welcome, _ in answers}
@@ -126,7 +127,7 @@ class PrefillPeers:
         block_sizes = tuple(g.block_size for g in answers[0][1].compat.groups)
         local_sizes = [g.block_size for g in mine]
         phases = block_phases.PhasePlan.of(block_sizes, local_sizes, [g.kind for g in mine])
-        plans = block_phases.peer_regions(
+        plans = read_plan.plan_engine(
             self.transport.regions,
             {rank: w.regions for rank, w in welcome_of.items()},
             [rank for rank, _, _ in answers],
@@ -134,24 +135,26 @@ class PrefillPeers:
             phases,
             local_sizes,
             block_sizes,
+            threads=self.transport.threads,
+            copies_in_post=self.transport.copies_in_post,
         )
         sources: dict[int, str | None] = {}
-        for rank, (local, regions) in plans.items():
-            if local is not None and not local:
+        planners: dict[str, read_plan.Planner] = {}
+        for rank, plan in plans.items():
+            if plan is None:
                 sources[rank] = None  # every unit this rank holds is read from another
                 continue
             peer = f"{key}#{rank}"
             welcome = welcome_of[rank]
             self.transport.remove_peer(peer)
-            self.transport.add_peer(
-                peer, welcome.agent_metadata, regions, agent_name=welcome.agent_name, local_regions=local,
-                phases=phases if phases.ratio else None,
-            )
+            self.transport.add_peer(peer, welcome.agent_metadata, plan, agent_name=welcome.agent_name)
             # Connect now, while the claim is in flight, not in the first READ.
             self.transport.connect(peer)
             sources[rank] = peer
+            planners[peer] = plan.planner
         channels = tuple((prefill.host, prefill.rank_port(rank)) for rank in welcome_of)
-        return _Engine(sources, {rank: w.agent_name for rank, w in welcome_of.items()}, channels, block_sizes)
+        agents = {rank: w.agent_name for rank, w in welcome_of.items()}
+        return ConnectedEngine(sources, planners, agents, channels, block_sizes)
 
     def forget_idle(self, in_use: Callable[[], Collection[str]], now: float | None = None) -> None:
         """Forget the engines no load has asked for in ``idle_seconds``, except those a load
@@ -173,7 +176,8 @@ class PrefillPeers:
 
     def drop(self, key: str) -> None:
         """Free what D holds for an engine: its NIXL peers (descriptor lists, remote agents and
-        with them the UCX endpoints) and the idle sockets to side channels no other engine uses."""
+        with them the UCX endpoints) and their planners, and the idle sockets to side channels
+        no other engine uses."""
         engine = self.engines.pop(key, None)
         if engine is None:
             return

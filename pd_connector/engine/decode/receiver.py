@@ -1,14 +1,15 @@
 """D's load pipeline on one TP rank: per request, one *leg* per P rank it pairs with
-(``shards.peer_ranks``), each through: connect -> claim -> READ (or release) -> done.
+(``shards.peer_ranks``), each a small state machine (``Stage``): connect -> claim -> READ (or
+release) -> done, its whole state in the leg.
 
 - connect: once per P engine, every paired rank's side channel in one background call; with
   different TP sizes the shard plan (``shards.shard_regions``) says which bytes each P rank
   sends. A failed connect fails every request waiting on it; later requests retry.
 - claim: each P rank confirms offset and block ids against its lease and extends it (background
   thread); a refused claim fails the request before any byte is read.
-- READ: one prepared NIXL transfer per leg (engine thread), sliced where the post itself copies
-  (``NixlTransport.read_plan``); the notification on its last post tells that P rank this reader
-  is done. A P rank this rank reads nothing from (replicated units) is released instead.
+- READ: one prepared NIXL transfer per leg (engine thread), planned by the engine's
+  ``read_plan.Planner`` and sliced where the post itself copies (``ChunkedRead``); the
+  notification on its last post tells that P rank this reader is done. A P rank this rank reads nothing from (replicated units) is released instead.
 - optional digest check of the recurrent state (equal TP only).
 - the hold: a READ counts only if it completed while P still held the lease, as far as P's
   grant and its answers to the extensions confirmed (``core/read_hold.py``); P frees a lease
@@ -27,6 +28,7 @@ ZMQ (``transport/lease_client.py``).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -39,7 +41,7 @@ from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.protocol import EngineCompat, ReadDone, encode_read_done
 from pd_connector.engine.metadata import ExtendTask, RecvTask, ReleaseTask
 from pd_connector.engine.metrics import Recorder
-from pd_connector.engine.decode.prefill_peers import PrefillPeers
+from pd_connector.engine.decode.prefill_peers import ConnectedEngine, PrefillPeers
 from pd_connector.engine.decode.read_in_flight import ReadInFlight
 from pd_connector.transport.nixl import FAILED, PENDING, ChunkedRead, NixlTransport
 from pd_connector.transport.lease_client import ClaimRequest, LeaseClient
@@ -64,10 +66,32 @@ def read_pairs(task: RecvTask) -> list:
     return [list(main) + list(more) if len(more) else main for main, more in zip(task.pairs, extra)]
 
 
+class Stage(enum.Enum):
+    """Where one leg is: waiting for its P engine's handshake, waiting for P's answer to its
+    claim, reading, or over (the leg has left its load)."""
+
+    CONNECT = "connect"
+    CLAIM = "claim"
+    READ = "read"
+
+
+@dataclass
+class _Leg:
+    """One D request's transfer from one P rank: connect -> claim -> READ -> done."""
+
+    rank: int
+    stage: Stage = Stage.CONNECT
+    claim: Future | None = None  # CLAIM: P's answer
+    claim_sent: float = 0.0
+    read: ReadInFlight | None = None  # READ: the transfer in flight
+
+
 @dataclass
 class _Load:
+    """One D request: its legs that have not ended, by P rank."""
+
     task: RecvTask
-    legs: set[int]  # P ranks whose leg has not ended
+    legs: dict[int, _Leg]
     reader: str
     readers: int
     error: tuple[str, str] | None = None  # (why, kind) of the first failed leg
@@ -107,12 +131,13 @@ class Receiver:
         self._peers = PrefillPeers(
             transport, self._calls, self._submit, tp_rank, tp_size, self.recorder, settings.prefill_engine_idle_seconds
         )
+        # Every transfer's state lives in its leg; loads in arrival order (oldest posts first).
         self._loads: dict[str, _Load] = {}
-        self._waiting: list[tuple[str, int]] = []  # legs waiting for their engine
-        self._claims: dict[tuple[str, int], tuple[Future, float]] = {}
+        # At most one slice posted per advance() where the post copies (DRAM without worker
+        # threads), oldest request first; otherwise every READ posts at once.
+        self._post_budget = 1
         # Extensions in flight: (answer, sent, P host, P base port, P rank).
         self._extensions: list[tuple[Future, float, str, int, int]] = []
-        self._reads: dict[tuple[str, int], ReadInFlight] = {}
         self.finished: set[str] = set()
         self.failed: dict[str, str] = {}
 
@@ -129,9 +154,11 @@ class Receiver:
             self._refuse(request_id, task, "P's blocks could not be paired with this instance's", "pairing")
             return
         self._loads[request_id] = _Load(
-            task, set(ranks), reader=self._reader(request_id), readers=shards.readers_per_rank(p, self.tp_size)
+            task,
+            {rank: _Leg(rank) for rank in ranks},
+            reader=self._reader(request_id),
+            readers=shards.readers_per_rank(p, self.tp_size),
         )
-        self._waiting.extend((request_id, rank) for rank in ranks)
         self._peers.connect(task.lease)
 
     def _reader(self, request_id: str) -> str:
@@ -162,7 +189,12 @@ class Receiver:
             ranks = shards.peer_ranks(task.tp_size, self.tp_size, self.tp_rank)
         except shards.ShardError:
             return
-        unclaimed = {(self._loads[rid].task.lease.request_id, rank) for rid, rank in (*self._waiting, *self._claims)}
+        unclaimed = {
+            (load.task.lease.request_id, leg.rank)
+            for load in self._loads.values()
+            for leg in load.legs.values()
+            if leg.stage is not Stage.READ
+        }
         for rank in ranks:
             ids = [rid for rid in task.request_ids if (rid, rank) not in unclaimed]
             if ids:
@@ -173,13 +205,19 @@ class Receiver:
     # -- progress ---------------------------------------------------------------------------
 
     def advance(self) -> None:
-        """Move every request as far along as it can go now; never blocks."""
+        """Move every leg as far along as it can go now; never blocks. Extension answers are
+        taken first, so a READ that completes in this call is judged on the newest hold."""
         self._peers.finish_connects()
         self._peers.forget_idle(lambda: {load.task.lease.engine_id for load in self._loads.values()})
-        self._start_claims()
-        self._start_reads()
         self._take_extension_answers()
-        self._poll_reads()
+        self._post_budget = 1
+        connecting = False
+        for request_id, load in list(self._loads.items()):
+            for leg in list(load.legs.values()):
+                self._step(request_id, load, leg)
+                connecting = connecting or leg.stage is Stage.CONNECT and leg.rank in load.legs
+        if not connecting:
+            self._peers.forget_errors()
 
     def take_results(self) -> tuple[set[str], set[str]]:
         finished, failed = self.finished, set(self.failed)
@@ -189,15 +227,15 @@ class Receiver:
     def pending(self) -> int:
         return len(self._loads)
 
-    def reading(self) -> bool:
-        """A READ is in flight: the engine thread must keep polling (and posting slices)."""
-        return bool(self._reads)
+    def reads(self) -> list[ReadInFlight]:
+        """The READs in flight, oldest request first."""
+        return [leg.read for load in self._loads.values() for leg in load.legs.values() if leg.read is not None]
 
     def reads_in_nixl(self) -> list[float | None]:
         """Per READ in flight, how long its posted slice has been in NIXL's hands, or None when
         it has a slice to post now: how long an idle step may wait (``idle_wait.idle_step_wait``)."""
         now = time.monotonic()
-        return [read.xfer.in_nixl_for(now) for read in self._reads.values()]
+        return [read.xfer.in_nixl_for(now) for read in self.reads()]
 
     def _submit(self, fn, *args) -> Future:
         future = self._executor.submit(fn, *args)
@@ -205,96 +243,95 @@ class Receiver:
             future.add_done_callback(lambda _: self._wake.set())
         return future
 
-    # -- stages -----------------------------------------------------------------------------
+    # -- one leg ------------------------------------------------------------------------------
 
-    def _start_claims(self) -> None:
-        still = []
-        for leg in self._waiting:
-            request_id, rank = leg
-            load = self._loads[request_id]
-            key = load.task.lease.engine_id
-            error = self._peers.errors.get(key)
-            if load.error is not None:
-                self._end_leg(leg, release=True)
-            elif error is not None:
-                # A P that answered (refused, or its shards cannot pair) is told to release; one
-                # that never answered cannot hear it (it frees at its claim deadline).
-                self._end_leg(leg, error, release=error[1] != "handshake")
-            elif key in self._peers.engines:
-                mismatch = block_phases.paired_for_other_sizes(load.task.remote_block_sizes, self._peers.engines[key].block_sizes)
-                if mismatch:
-                    self._end_leg(leg, (mismatch, "block_size"), release=True)
-                    continue
-                task = load.task
-                request = ClaimRequest(
-                    task.lease,
-                    rank,
-                    task.replay_offset,
-                    task.remote_block_ids or [],
-                    load.reader,
-                    load.readers,
-                    task.fingerprint,
-                    task.checkpoints,
-                )
-                # Stamped before submitting: the claim may be answered before submit returns.
-                sent = time.monotonic()
-                self._claims[leg] = (self._submit(self._calls.claim, request), sent)
-            else:
-                self._peers.connect(load.task.lease)  # a no-op unless dropped (restarted P)
-                still.append(leg)
-        self._waiting = still
-        if not self._waiting:
-            self._peers.forget_errors()
+    def _step(self, request_id: str, load: _Load, leg: _Leg) -> None:
+        """Move one leg on: a leg whose claim is granted posts its first slice in the same call."""
+        if leg.stage is Stage.CONNECT:
+            self._connect(request_id, load, leg)
+        elif leg.stage is Stage.CLAIM and leg.claim.done():
+            self._granted(request_id, load, leg)
+        if leg.stage is Stage.READ:
+            self._poll(request_id, load, leg)
 
-    def _start_reads(self) -> None:
-        for leg, (future, sent) in list(self._claims.items()):
-            if not future.done():
-                continue
-            del self._claims[leg]
-            request_id, rank = leg
-            load = self._loads[request_id]
-            try:
-                granted, answered = future.result()
-            except Exception as exc:
-                self._end_leg(leg, (str(exc), "claim"), release=True)
-                continue
-            self.recorder.observe("claim_seconds", answered - sent)
-            key = load.task.lease.engine_id
-            engine = self._peers.engines.get(key)
-            if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(rank)):
-                # P restarted under the same engine id since we connected: connect again, then
-                # claim again (idempotent: same reader).
-                logger.info("pd_connector: prefill engine %s restarted; connecting again", key)
-                self._peers.drop(key)
-                self._waiting.append(leg)
-                continue
-            if load.error is not None:
-                self._end_leg(leg, release=True)
-                continue
-            hold = read_hold.held_until(sent, granted.lease_seconds)
-            self._post(leg, load, engine.sources.get(rank), granted.state_digest, hold)
+    def _connect(self, request_id: str, load: _Load, leg: _Leg) -> None:
+        """CONNECT: claim once the engine is connected; end the leg if its engine was refused or
+        another leg of the request failed."""
+        key = load.task.lease.engine_id
+        error = self._peers.errors.get(key)
+        if load.error is not None:
+            self._end_leg(request_id, load, leg, release=True)
+        elif error is not None:
+            # A P that answered (refused, or its shards cannot pair) is told to release; one
+            # that never answered cannot hear it (it frees at its claim deadline).
+            self._end_leg(request_id, load, leg, error, release=error[1] != "handshake")
+        elif key in self._peers.engines:
+            mismatch = block_phases.paired_for_other_sizes(load.task.remote_block_sizes, self._peers.engines[key].block_sizes)
+            if mismatch:
+                self._end_leg(request_id, load, leg, (mismatch, "block_size"), release=True)
+                return
+            task = load.task
+            request = ClaimRequest(
+                task.lease,
+                leg.rank,
+                task.replay_offset,
+                task.remote_block_ids or [],
+                load.reader,
+                load.readers,
+                task.fingerprint,
+                task.checkpoints,
+            )
+            # Stamped before submitting: the claim may be answered before submit returns.
+            leg.claim_sent = time.monotonic()
+            leg.claim, leg.stage = self._submit(self._calls.claim, request), Stage.CLAIM
+        else:
+            self._peers.connect(load.task.lease)  # a no-op unless dropped (restarted P)
 
-    def _post(self, leg: tuple[str, int], load: _Load, peer: str | None, digest: bytes, hold: float) -> None:
+    def _granted(self, request_id: str, load: _Load, leg: _Leg) -> None:
+        """CLAIM answered: READ, or connect again when P restarted since we connected."""
+        future, sent = leg.claim, leg.claim_sent
+        leg.claim = None
+        try:
+            granted, answered = future.result()
+        except Exception as exc:
+            self._end_leg(request_id, load, leg, (str(exc), "claim"), release=True)
+            return
+        self.recorder.observe("claim_seconds", answered - sent)
+        key = load.task.lease.engine_id
+        engine = self._peers.engines.get(key)
+        if engine is None or (granted.agent_name and granted.agent_name != engine.agents.get(leg.rank)):
+            # P restarted under the same engine id since we connected: connect again, then
+            # claim again (idempotent: same reader).
+            logger.info("pd_connector: prefill engine %s restarted; connecting again", key)
+            self._peers.drop(key)
+            leg.stage = Stage.CONNECT
+            return
+        if load.error is not None:
+            self._end_leg(request_id, load, leg, release=True)
+            return
+        hold = read_hold.held_until(sent, granted.lease_seconds)
+        self._start_read(request_id, load, leg, engine, granted.state_digest, hold)
+
+    def _start_read(self, request_id: str, load: _Load, leg: _Leg, engine: ConnectedEngine, digest: bytes, hold: float) -> None:
+        peer = engine.sources.get(leg.rank)
         if peer is None:
-            self._end_leg(leg, release=True, reason="nothing to read from this rank")
+            self._end_leg(request_id, load, leg, release=True, reason="nothing to read from this rank")
             return
         try:
-            plan = self.transport.planner(peer).plan(read_pairs(load.task), self._chunk_bytes)
+            plan = engine.planners[peer].plan(read_pairs(load.task), self._chunk_bytes)
             if plan.empty:
                 # Nothing D lacks (NIXL refuses an empty READ): done; P may free now.
-                self._end_leg(leg, release=True, reason="nothing to read")
+                self._end_leg(request_id, load, leg, release=True, reason="nothing to read")
                 return
             done = ReadDone(load.task.lease.request_id, load.reader, load.readers)
             xfer = ChunkedRead(self.transport, peer, plan, encode_read_done(done))
         except Exception as exc:
-            self._end_leg(leg, (str(exc), "post"), release=True)  # nothing will be read
+            self._end_leg(request_id, load, leg, (str(exc), "post"), release=True)  # nothing will be read
             return
         if load.task.lease.tp_size != self.tp_size:
             digest = b""  # P's pages hold another shard than ours
-        lease = load.task.lease
-        self._reads[leg] = ReadInFlight(
-            xfer, lease, leg[1], time.monotonic(), plan.runs, digest, plan.nbytes, hold
-        )
+        leg.read = ReadInFlight(xfer, load.task.lease, leg.rank, time.monotonic(), plan.runs, digest, plan.nbytes, hold)
+        leg.stage = Stage.READ
 
     def _take_extension_answers(self) -> None:
         """Move each READ's hold forward by the extensions P confirmed. A request P left out
@@ -309,70 +346,66 @@ class Receiver:
             reply = None if future.exception() is not None else future.result()
             if reply is None:
                 continue
-            for read in self._reads.values():
+            for read in self.reads():
                 read.confirm_hold(host, port, rank, sent, reply.held)
         self._extensions = still
 
-    def _poll_reads(self) -> None:
-        # At most one slice posted per call where the post copies (DRAM without worker
-        # threads), oldest request first; otherwise every READ posts at once.
-        budget = 1
-        for leg, read in list(self._reads.items()):
-            may_post = not (self.transport.copies_in_post and self._chunk_bytes) or budget > 0
-            posted = read.xfer.next
-            called = time.monotonic()
-            state = read.xfer.advance(may_post)
-            now = time.monotonic()
-            budget -= read.xfer.next - posted
-            if now - called > SLOW_NIXL_CALL_S:
-                read.report_slow_call(leg[0], now - called, self.recorder, self.settings.nixl_num_threads)
-            if state == PENDING:
-                if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
-                    read.warned = True
-                    read.report_slow_read(leg[0], now - read.read_started, self.recorder, self.settings.nixl_num_threads)
-                continue
-            del self._reads[leg]
-            load = self._loads[leg[0]]
-            own_blocks = [[d for _, d in g] for g in load.task.pairs]
-            self.read_ended(load.task)
-            if state == FAILED:
-                # No completion notification will come: release.
-                self._end_leg(leg, (read.xfer.error, read.xfer.error_kind), release=True)
-                continue
-            if not read_hold.read_was_held(read.hold, now):
-                why = (
-                    f"the READ completed {now - read.hold:.1f} s after the end of the lease P "
-                    "confirmed: P may have freed and reused those blocks"
-                )
-                self._end_leg(leg, (why, "lease_lost"))
-                continue
-            if read.digest and self._state_digest is not None and self._state_digest(own_blocks) != read.digest:
-                self._end_leg(leg, ("the recurrent state read differs from P's digest", "digest"))
-                continue
-            self.recorder.observe("read_seconds", now - read.read_started)
-            self.recorder.observe("transfer_bytes", read.nbytes)
-            self.recorder.observe("descriptors", read.descriptors)
-            self._end_leg(leg)
+    def _poll(self, request_id: str, load: _Load, leg: _Leg) -> None:
+        """READ: poll the slice in flight, post the next one, and judge the READ once done."""
+        read = leg.read
+        may_post = not (self.transport.copies_in_post and self._chunk_bytes) or self._post_budget > 0
+        posted = read.xfer.next
+        called = time.monotonic()
+        state = read.xfer.advance(may_post)
+        now = time.monotonic()
+        self._post_budget -= read.xfer.next - posted
+        if now - called > SLOW_NIXL_CALL_S:
+            read.report_slow_call(request_id, now - called, self.recorder, self.settings.nixl_num_threads)
+        if state == PENDING:
+            if not read.warned and now - read.read_started > self.settings.read_warn_seconds:
+                read.warned = True
+                read.report_slow_read(request_id, now - read.read_started, self.recorder, self.settings.nixl_num_threads)
+            return
+        leg.read = None
+        own_blocks = [[d for _, d in g] for g in load.task.pairs]
+        self.read_ended(load.task)
+        if state == FAILED:
+            # No completion notification will come: release.
+            self._end_leg(request_id, load, leg, (read.xfer.error, read.xfer.error_kind), release=True)
+            return
+        if not read_hold.read_was_held(read.hold, now):
+            why = (
+                f"the READ completed {now - read.hold:.1f} s after the end of the lease P "
+                "confirmed: P may have freed and reused those blocks"
+            )
+            self._end_leg(request_id, load, leg, (why, "lease_lost"))
+            return
+        if read.digest and self._state_digest is not None and self._state_digest(own_blocks) != read.digest:
+            self._end_leg(request_id, load, leg, ("the recurrent state read differs from P's digest", "digest"))
+            return
+        self.recorder.observe("read_seconds", now - read.read_started)
+        self.recorder.observe("transfer_bytes", read.nbytes)
+        self.recorder.observe("descriptors", read.descriptors)
+        self._end_leg(request_id, load, leg)
 
     def read_ended(self, task: RecvTask) -> None:
         """A READ into ``task``'s blocks (``read_pairs``) ended, before its outcome is checked:
         nothing to do here; a connector subclass may look at (or alter) what landed."""
 
     def _end_leg(
-        self, leg: tuple[str, int], error: tuple[str, str] | None = None, release: bool = False, reason: str = ""
+        self, request_id: str, load: _Load, leg: _Leg, error: tuple[str, str] | None = None,
+        release: bool = False, reason: str = "",
     ) -> None:
         """One leg is over (READ done, failed or never to start); the request ends with its
         last leg. ``release``: tell that P rank this reader is done without a notification."""
-        request_id, rank = leg
-        load = self._loads[request_id]
         if error is not None and load.error is None:
             load.error = error
         if release:
             why = reason or (f"decode load failed: {load.error[0]}" if load.error else "not read")
             self._executor.submit(
-                self._calls.release, load.task.lease, rank, why, load.reader, load.readers
+                self._calls.release, load.task.lease, leg.rank, why, load.reader, load.readers
             )
-        load.legs.discard(rank)
+        del load.legs[leg.rank]
         if load.legs:
             return
         del self._loads[request_id]
@@ -400,7 +433,7 @@ class Receiver:
         self.failed[request_id] = why
 
     def close(self) -> None:
-        for read in self._reads.values():
+        for read in self.reads():
             read.xfer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._calls.close()

@@ -45,7 +45,7 @@ def engine_compat(vllm_config: Any, kv_cache_config: Any, group_ids: tuple[int, 
                 block_size=wire_block_sizes([layout])[0],
                 # Mamba pages are padded to the attention page and hold a conv state whose width
                 # depends on the speculative token count; what must agree is per state, checked
-                # by layout.reconcile_regions on the page map. Attention pages must be equal
+                # by descriptors.reconcile_regions on the page map. Attention pages must be equal
                 # unless their block sizes differ and are re-cut (core/block_phases.py).
                 page_bytes=0 if layout.kind == MAMBA else group.kv_cache_spec.page_size_bytes,
                 layer_names=sorted(group.layer_names),

@@ -1,13 +1,14 @@
 """vLLM's configuration objects (0.32 and 0.33) as the pure core's plain values: the group
-layouts, the recompute profile, this engine's TP and DP placement."""
+layouts, the recompute profile, the checkpoint rule, this engine's TP and DP placement."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pd_connector.core.settings import UnsupportedConfig
-from pd_connector.core.handoff import RecomputeProfile
+from pd_connector.core.checkpoints import CheckpointRule
 from pd_connector.core.pairing import ATTENTION, MAMBA, SLIDING_WINDOW, GroupLayout
+from pd_connector.core.recompute_profile import RecomputeProfile
 
 
 def _spec_kind(spec: Any) -> tuple[str, int]:
@@ -75,6 +76,32 @@ def profile_from_vllm(vllm_config: Any, kv_cache_config: Any) -> RecomputeProfil
         bounded_replay=bounded_replay,
         checkpoint_unit=grid,
         eagle_drop=bool(grid and eagle_block_drop(vllm_config)),
+    )
+
+
+def checkpoint_rule_from_vllm(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    profile: RecomputeProfile,
+    layouts: tuple[GroupLayout, ...],
+    group_ids: tuple[int, ...],
+) -> CheckpointRule:
+    """The core's rule from this engine's config: the Mamba groups' block size (one for all in
+    align mode, else no checkpoints), the unit and drop of ``profile``, whether every Mamba
+    backend exports checkpoints inside a chunk (``Scheduler.mamba_has_prefill_checkpoint_blocks``)
+    and the granularity the scheduler splits prefill chunks on (``cache_config.block_size``,
+    read by ``Scheduler._mamba_block_aligned_split`` at every step; ``CheckpointPool.rule``
+    reads it again per request)."""
+    sizes = {layout.block_size for layout in layouts if layout.kind == MAMBA}
+    if len(sizes) != 1 or not profile.checkpoint_unit:
+        return CheckpointRule()
+    specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g, layout in zip(group_ids, layouts) if layout.kind == MAMBA]
+    exports = all((getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for spec in specs)
+    return CheckpointRule(
+        block_size=sizes.pop(),
+        profile=profile,
+        exports=exports,
+        split_block=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
     )
 
 

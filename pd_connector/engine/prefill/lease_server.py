@@ -130,7 +130,7 @@ class LeaseServer:
                 # D fails such a READ when it completes (it lies outside the hold P confirmed).
                 self.recorder.count("lease_expired_while_reading", under_read)
                 self._expired_reading_seen = self._leases.expired_reading_total
-            return self._leases.take_finished()
+            return self._leases.take_to_free()
 
     def take_stats(self, into: Recorder) -> None:
         with self._lock:

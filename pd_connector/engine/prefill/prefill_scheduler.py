@@ -20,6 +20,7 @@ from pd_connector.core import checkpoints, handoff, pairing, trust
 from pd_connector.core.settings import ConnectorSettings
 from pd_connector.core.leases import initial_lease
 from pd_connector.core.pairing import GroupLayout
+from pd_connector.core.recompute_profile import RecomputeProfile
 from pd_connector.core.params import (
     KEY_DECODE_REQUESTS,
     KEY_MIN_RECOMPUTE,
@@ -49,7 +50,7 @@ class _Chosen(NamedTuple):
     fingerprint: str = ""
     decode_requests: int = 1
     # The shared-prefix junction P pins: the whole prompt's checkpoint, kept past the truncation
-    # (handoff.checkpoint_to_keep), or a checkpoint below R for D (checkpoints.checkpoint_to_pin).
+    # (checkpoints.checkpoint_to_keep), or a checkpoint below R for D (checkpoints.checkpoint_to_pin).
     keep: int = 0
     # Zero replay: P computed the whole prompt, and its first sampled token goes with the handoff.
     first_token: bool = False
@@ -65,7 +66,7 @@ class PrefillScheduler:
         self,
         settings: ConnectorSettings,
         engine_id: str,
-        profile: handoff.RecomputeProfile,
+        profile: RecomputeProfile,
         layouts: tuple[GroupLayout, ...],
         group_ids: tuple[int, ...],
         tp_size: int,
@@ -157,29 +158,28 @@ class PrefillScheduler:
         """Set up P's prefill for handing over ``plan.replay_offset`` tokens: the checkpoints to pin and the
         junction to keep; truncate the prompt unless the plan computes it whole. Returns (the
         junction, the prompt tokens P computes)."""
-        rule, n = self.checkpoints.rule, request.num_prompt_tokens
-        computes = checkpoints.prefill_length(n, plan)
-        keep = checkpoints.junction_to_pin(n, plan, self.profile, rule)
-        wanted, missing = checkpoints.states_to_pin(n, plan, self.profile.has_recurrent_state, rule, keep)
-        self.checkpoints.want(request.request_id, wanted)
-        if missing:
-            self.recorder.count("p_checkpoint_not_computed", len(missing))
+        n = request.num_prompt_tokens
+        prefill = checkpoints.prefill_checkpoints(n, plan, self.profile, self.checkpoints.rule)
+        computes = prefill.computes
+        self.checkpoints.want(request.request_id, prefill.wanted)
+        if prefill.missing:
+            self.recorder.count("p_checkpoint_not_computed", len(prefill.missing))
         if computes < n:
             del request.prompt_token_ids[computes:]
             del request._all_token_ids[computes:]
             request.num_prompt_tokens = computes
         logger.debug("pd_connector: %s prefills %d of %d tokens, hands over %d", request.request_id, computes, n, plan.replay_offset)
-        return keep, computes
+        return prefill.junction, computes
 
     def keep_prompt_checkpoint(self, request: "Request") -> None:
         """Right after vLLM's local prefix lookup (get_num_new_matched_tokens): pin the whole
         prompt's checkpoint as the request's shared-prefix boundary, which the Mamba manager
         keeps besides the truncated prompt's own (``cache_blocks``, reachable boundaries), unless
-        vLLM set a junction of its own there (``handoff.pinned_boundary``)."""
+        vLLM set a junction of its own there (``checkpoints.pinned_boundary``)."""
         chosen = self.offsets.get(request.request_id)
         if chosen is None or not chosen.keep:
             return
-        boundary = handoff.pinned_boundary(request.shared_prefix_boundary, chosen.keep)
+        boundary = checkpoints.pinned_boundary(request.shared_prefix_boundary, chosen.keep)
         if boundary is None:
             self.recorder.count("p_checkpoint_not_kept")
         else:

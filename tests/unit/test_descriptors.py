@@ -1,4 +1,4 @@
-"""Pure tests of pd_connector.core.layout: descriptor arithmetic (numpy only)."""
+"""Pure tests of pd_connector.core.descriptors: descriptor arithmetic (numpy only)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_connector.core.layout import (
-    LayoutError,
+from pd_connector.core.descriptors import (
+    DescriptorError,
     check_matching,
     common_packing,
     count_runs,
@@ -144,38 +144,38 @@ def test_out_of_range_block_ids_raise_layout_error(maps, data):
     pair = (bad, 0) if side == "src" else (0, bad)
     pairs = [list(p) for p in pairs]
     pairs[g] = pairs[g] + [pair]
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, remote, pairs)
 
 
 def test_block_id_valid_for_one_layer_but_not_another_raises():
     local = [LayerRegion("a", 0, 0, 8, 8, 10), LayerRegion("b", 0, 0, 8, 8, 4)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, [[(1, 5)]])
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, [[(5, 1)]])
 
 
 def test_pairs_for_group_without_layers_raise():
     local = [LayerRegion("a", 0, 0, 8, 8, 10)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, [[], [(1, 1)]])
 
 
 @pytest.mark.parametrize("bad", [2**63, 2**70, -(2**63) - 1])
 def test_descriptor_indices_block_id_beyond_int64_raises_layout_error(bad):
-    """Regression: np.array(..., dtype=int64) raised OverflowError, not LayoutError."""
+    """Regression: np.array(..., dtype=int64) raised OverflowError, not DescriptorError."""
     local = [LayerRegion("a", 0, 0, 8, 8, 10)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, [[(bad, 1)]])
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, [[(1, bad)]])
 
 
 @pytest.mark.parametrize("pairs", [[[(1,)]], [[(1, 2, 3)]], [[("a", 1)]], [[None]]])
 def test_descriptor_indices_malformed_pairs_raise_layout_error(pairs):
     local = [LayerRegion("a", 0, 0, 8, 8, 10)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(DescriptorError):
         plan(local, local, pairs)
 
 
@@ -216,14 +216,14 @@ def test_region_offsets_group_regions_and_strided_rows(rs, device):
 def test_check_matching():
     a = [LayerRegion("l0", 0, 0, 8, 8, 10), LayerRegion("l1", 1, 0, 8, 4, 10)]
     check_matching(a, [LayerRegion("l0", 0, 99, 16, 8, 3), LayerRegion("l1", 1, 5, 4, 4, 1)])
-    with pytest.raises(LayoutError, match="layer count"):
+    with pytest.raises(DescriptorError, match="layer count"):
         check_matching(a, a[:1])
     for bad in (
         LayerRegion("lX", 1, 0, 8, 4, 10),  # name
         LayerRegion("l1", 0, 0, 8, 4, 10),  # group
         LayerRegion("l1", 1, 0, 8, 8, 10),  # page size
     ):
-        with pytest.raises(LayoutError, match="layer mismatch"):
+        with pytest.raises(DescriptorError, match="layer mismatch"):
             check_matching(a, [a[0], bad])
 
 
@@ -395,7 +395,7 @@ def test_packing_needs_the_same_layer_order_on_both_sides():
     p_swapped = [LayerRegion("l0", 0, page, 2 * page, page, nb), LayerRegion("l1", 0, 0, 2 * page, page, nb)]
     assert common_packing(d, d) == {0}
     assert common_packing(d, p_swapped) == frozenset()
-    with pytest.raises(LayoutError, match="not packed"):
+    with pytest.raises(DescriptorError, match="not packed"):
         descriptor_rows([LayerRegion("a", 0, 0, 64, 16, 4), LayerRegion("b", 0, 32, 64, 16, 4)], {0})
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from pd_connector.core.protocol import LayerRegion
 
 
-class LayoutError(ValueError):
+class DescriptorError(ValueError):
     """P's and D's page maps cannot be matched."""
 
 
@@ -49,15 +49,15 @@ def check_matching(local: Sequence[LayerRegion], remote: Sequence[LayerRegion], 
     """Both sides must list the same layers, in the same groups, with equal page sizes
     (``sizes=False``: sizes are reconciled by ``reconcile_regions``)."""
     if len(local) != len(remote):
-        raise LayoutError(f"layer count differs: local {len(local)}, remote {len(remote)}")
+        raise DescriptorError(f"layer count differs: local {len(local)}, remote {len(remote)}")
     for a, b in zip(local, remote):
         if a.token_layout != b.token_layout:
-            raise LayoutError(
+            raise DescriptorError(
                 f"{a.name}: tokens laid out as {a.token_layout!r} here, {b.token_layout!r} on the peer "
                 "(another attention backend or CPU ISA)"
             )
         if (a.name, a.group) != (b.name, b.group) or (sizes and a.page_bytes != b.page_bytes):
-            raise LayoutError(
+            raise DescriptorError(
                 f"layer mismatch: local ({a.name}, group {a.group}, {a.page_bytes} B/page) vs "
                 f"remote ({b.name}, group {b.group}, {b.page_bytes} B/page)"
             )
@@ -82,7 +82,7 @@ def reconcile_regions(
         if a.page_bytes != b.page_bytes:
             keep = _common_state_bytes(a, b)
             if keep is None:
-                raise LayoutError(
+                raise DescriptorError(
                     f"state {a.name}: local {a.page_bytes} B ({a.rows} rows, {a.scratch_rows} "
                     f"speculative), remote {b.page_bytes} B ({b.rows} rows, {b.scratch_rows} "
                     "speculative): the recurrent-state layouts differ beyond speculative rows"
@@ -202,7 +202,7 @@ def descriptor_rows(regions: Sequence[LayerRegion], packed: Collection[int] = ()
             if r.group in done:
                 continue
             if r.group not in order:
-                raise LayoutError(f"group {r.group} is not packed in this page map")
+                raise DescriptorError(f"group {r.group} is not packed in this page map")
             done.add(r.group)
             regs = [x for x in regions if x.group == r.group]
             first = min(regs, key=lambda x: x.addr)
@@ -244,16 +244,16 @@ def descriptor_indices(
             continue
         regions = regions_of_group.get(group)
         if regions is None:
-            raise LayoutError(f"group {group} has blocks to move but no registered layers")
+            raise DescriptorError(f"group {group} has blocks to move but no registered layers")
         try:
             pr = np.array(group_pairs, dtype=np.int64).reshape(-1, 2)
         except (OverflowError, ValueError, TypeError) as exc:
-            raise LayoutError(f"group {group}: unusable block pairs ({exc})") from None
+            raise DescriptorError(f"group {group}: unusable block pairs ({exc})") from None
         src, dst = pr[:, 0], pr[:, 1]
         if (src < 0).any() or (src[None, :] >= remote_blocks[regions][:, None]).any():
-            raise LayoutError(f"group {group}: remote block id out of range in {src.tolist()}")
+            raise DescriptorError(f"group {group}: remote block id out of range in {src.tolist()}")
         if (dst < 0).any() or (dst[None, :] >= local_blocks[regions][:, None]).any():
-            raise LayoutError(f"group {group}: local block id out of range in {dst.tolist()}")
+            raise DescriptorError(f"group {group}: local block id out of range in {dst.tolist()}")
         local_parts.append((local_offsets[regions][:, None] + dst[None, :]).ravel())
         remote_parts.append((remote_offsets[regions][:, None] + src[None, :]).ravel())
     if not local_parts:
