@@ -38,9 +38,15 @@ def is_stale_connection(exc: BaseException) -> bool:
     """
     if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)):
         return True
-    return (isinstance(exc, aiohttp.ClientOSError)
-            and not isinstance(exc, aiohttp.ClientConnectorError)
-            and exc.errno in _STALE_ERRNOS)
+    if not isinstance(exc, aiohttp.ClientOSError) or isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if exc.errno in _STALE_ERRNOS:
+        return True
+    # A body write on a connection the upstream is closing comes wrapped: ClientOSError(None,
+    # "Can not write request body for ...") caused by "Cannot write to closing transport"
+    # (aiohttp 3.x ClientRequest.write_bytes). The server cannot have read the whole body.
+    cause = exc.__cause__
+    return exc.errno is None and cause is not None and cause is not exc and is_stale_connection(cause)
 
 
 class UpstreamClient:

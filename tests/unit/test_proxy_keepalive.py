@@ -142,6 +142,25 @@ def test_only_connection_drops_before_an_answer_count_as_stale(exc, stale):
     assert is_stale_connection(exc) is stale
 
 
+def _wrapped_body_write_error(cause: BaseException | None) -> aiohttp.ClientOSError:
+    """What aiohttp raises when writing a request body fails (ClientRequest.write_bytes)."""
+    exc = aiohttp.ClientOSError(None, "Can not write request body for http://d/v1/completions")
+    exc.__cause__ = cause
+    return exc
+
+
+def test_a_body_write_on_a_pooled_connection_the_upstream_is_closing_is_stale():
+    """Regression (a 502 in tests/e2e/test_data_parallel.py): D's API server came back from a
+    27 s stall and closed its idle keep-alive connections as the proxy wrote a request body on
+    one; aiohttp wrapped the "closing transport" error, and the proxy answered 502 instead of
+    retrying on a new connection."""
+    closing = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    assert is_stale_connection(_wrapped_body_write_error(closing))
+    # Negative controls: a wrapped error that is not a connection drop, or none at all.
+    assert not is_stale_connection(_wrapped_body_write_error(ValueError("bad body")))
+    assert not is_stale_connection(_wrapped_body_write_error(None))
+
+
 def test_connect_errors_are_not_stale():
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, False, None, None, None)
     refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "no"))
