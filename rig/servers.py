@@ -6,8 +6,13 @@ Facts this module is built around (vLLM CPU 0.32.0, docs/testing.md):
   ``python -m vllm.entrypoints.openai.api_server`` with the current interpreter.
 - One server is three processes (APIServer, EngineCore, Worker). Killing only the PID we started
   can orphan the other two, and a first SIGTERM has been seen to be ignored. So each server gets
-  its own session/process group (``start_new_session=True``) and ``stop()`` signals the whole
-  group: SIGTERM, wait, SIGTERM again, then SIGKILL. We never look processes up by name.
+  its own process group (``process_group=0``) and ``stop()`` signals the whole group: SIGTERM,
+  wait, SIGTERM again, then SIGKILL. We never look processes up by name.
+- But not its own session: Linux puts each session in a scheduling group of its own (autogroup),
+  and CPU is shared between groups first. vLLM's workers spin on ``sched_yield`` for 1 s after
+  each step, and a yield only gives way to tasks of the same group, so N servers in N sessions
+  each kept 1/N of the cores however little they had to do. In the runner's session they yield
+  to the server that has work (docs/testing.md, "One scheduling group").
 - Startup takes ~30-45 s on the 2-core box; ``start_many`` overlaps the startups.
 - Instances running at once must never share a pinned core: ``placement.cpu_binds`` chooses
   each one's ``VLLM_CPU_OMP_THREADS_BIND``.
@@ -181,9 +186,10 @@ class VllmServer:
                     stderr=subprocess.STDOUT,
                     env=self.env,
                     cwd=self.cwd,
-                    # Own session => own process group whose id is the child's PID; stop() kills
-                    # that group and nothing else (not our test runner, not other servers).
-                    start_new_session=True,
+                    # Own process group, whose id is the child's PID: stop() kills that group and
+                    # nothing else (not our test runner, not other servers). Not its own session:
+                    # see the module docstring (autogroups and sched_yield).
+                    process_group=0,
                 )
             self.started_at = time.monotonic()
             _live.add(self)
@@ -239,7 +245,7 @@ class VllmServer:
             proc = self._proc
             if proc is None:
                 return None
-            pgid = proc.pid  # start_new_session: group id == the PID we started
+            pgid = proc.pid  # process_group=0: group id == the PID we started
             grace = self.stop_grace_s if grace is None else grace
             start = time.monotonic()
             if proc.poll() is None:
