@@ -6,7 +6,7 @@ Facts this module is built around (vLLM CPU 0.32.0, docs/testing.md):
   ``python -m vllm.entrypoints.openai.api_server`` with the current interpreter.
 - One server is three processes (APIServer, EngineCore, Worker). Killing only the PID we started
   can orphan the other two, and a first SIGTERM has been seen to be ignored. So each server gets
-  its own process group (``process_group=0``) and ``stop()`` signals the whole group: SIGTERM,
+  its own process group (``setpgid`` in the child) and ``stop()`` signals the whole group: SIGTERM,
   wait, SIGTERM again, then SIGKILL. We never look processes up by name.
 - But not its own session: Linux puts each session in a scheduling group of its own (autogroup),
   and CPU is shared between groups first. vLLM's workers spin on ``sched_yield`` for 1 s after
@@ -62,6 +62,11 @@ def runs_parallel(args: Sequence[str]) -> bool:
                 if value.isdigit() and int(value) > 1:
                     return True
     return False
+
+
+# Popen's process_group is Python 3.11+; on 3.10 (the wheel's floor, and the demo uses this module)
+# the child's setpgid before exec does the same.
+_OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 class ServerError(RuntimeError):
@@ -189,7 +194,7 @@ class VllmServer:
                     # Own process group, whose id is the child's PID: stop() kills that group and
                     # nothing else (not our test runner, not other servers). Not its own session:
                     # see the module docstring (autogroups and sched_yield).
-                    process_group=0,
+                    **_OWN_PROCESS_GROUP,
                 )
             self.started_at = time.monotonic()
             _live.add(self)
@@ -245,7 +250,7 @@ class VllmServer:
             proc = self._proc
             if proc is None:
                 return None
-            pgid = proc.pid  # process_group=0: group id == the PID we started
+            pgid = proc.pid  # its own process group: group id == the PID we started
             grace = self.stop_grace_s if grace is None else grace
             start = time.monotonic()
             if proc.poll() is None:

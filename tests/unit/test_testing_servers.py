@@ -107,6 +107,21 @@ def test_lifecycle_kills_whole_group(stub_python, tmp_path):
     assert server.group_pids() == []
 
 
+
+def test_a_server_in_a_session_of_its_own_kept_its_share_of_the_cores(stub_python, tmp_path):
+    """Regression: each server used to start a session of its own, so Linux made it a scheduling
+    group of its own (autogroup) and its spinning workers, whose sched_yield gives way only within
+    their group, kept 1/N of the cores however little they had to do (docs/testing.md, "One
+    scheduling group"). A server is its own process group (stop() kills it) in our session."""
+    server = VllmServer("/nonexistent", python=stub_python, log_path=tmp_path / "g.log", stop_grace_s=3)
+    with server:
+        assert os.getpgid(server.pid) == server.pid
+        assert os.getsid(server.pid) == os.getsid(0)
+        autogroup = "/proc/{}/autogroup"
+        if os.path.exists(autogroup.format("self")):
+            with open(autogroup.format("self")) as ours, open(autogroup.format(server.pid)) as its:
+                assert its.read().split()[0] == ours.read().split()[0]
+
 def test_env_precedence(stub_python, tmp_path):
     os.environ["PD_TEST_INHERITED"] = "x"
     try:
