@@ -107,7 +107,6 @@ def test_lifecycle_kills_whole_group(stub_python, tmp_path):
     assert server.group_pids() == []
 
 
-
 def test_a_server_in_a_session_of_its_own_kept_its_share_of_the_cores(stub_python, tmp_path):
     """Regression: each server used to start a session of its own, so Linux made it a scheduling
     group of its own (autogroup) and its spinning workers, whose sched_yield gives way only within
@@ -121,6 +120,7 @@ def test_a_server_in_a_session_of_its_own_kept_its_share_of_the_cores(stub_pytho
         if os.path.exists(autogroup.format("self")):
             with open(autogroup.format("self")) as ours, open(autogroup.format(server.pid)) as its:
                 assert its.read().split()[0] == ours.read().split()[0]
+
 
 def test_env_precedence(stub_python, tmp_path):
     os.environ["PD_TEST_INHERITED"] = "x"
