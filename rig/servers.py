@@ -8,11 +8,9 @@ Facts this module is built around (vLLM CPU 0.32.0, docs/testing.md):
   can orphan the other two, and a first SIGTERM has been seen to be ignored. So each server gets
   its own process group (``setpgid`` in the child) and ``stop()`` signals the whole group: SIGTERM,
   wait, SIGTERM again, then SIGKILL. We never look processes up by name.
-- But not its own session: Linux puts each session in a scheduling group of its own (autogroup),
-  and CPU is shared between groups first. vLLM's workers spin on ``sched_yield`` for 1 s after
-  each step, and a yield only gives way to tasks of the same group, so N servers in N sessions
-  each kept 1/N of the cores however little they had to do. In the runner's session they yield
-  to the server that has work (docs/testing.md, "One scheduling group").
+- But not its own session: a session is a scheduling group of its own (autogroup), where vLLM's
+  spinning workers keep their share of the cores (docs/operations.md, "CPU hosts"; what sharing
+  the runner's session saved: docs/testing.md, "One scheduling group").
 - Startup takes ~30-45 s on the 2-core box; ``start_many`` overlaps the startups.
 - Instances running at once must never share a pinned core: ``placement.cpu_binds`` chooses
   each one's ``VLLM_CPU_OMP_THREADS_BIND``.
@@ -193,7 +191,7 @@ class VllmServer:
                     cwd=self.cwd,
                     # Own process group, whose id is the child's PID: stop() kills that group and
                     # nothing else (not our test runner, not other servers). Not its own session:
-                    # see the module docstring (autogroups and sched_yield).
+                    # see the module docstring.
                     **_OWN_PROCESS_GROUP,
                 )
             self.started_at = time.monotonic()
