@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import threading
-import warnings
 
 import pytest
 
@@ -75,8 +74,8 @@ def complete_concurrently(url: str, prompts: list) -> list:
     return results
 
 
-# D's load failures that mean P's side channel did not answer in time (the 2-core box's
-# CPU starvation, docs/operations.md "Unanswered first calls"), not a wrong handoff.
+# D's load failures that mean P's side channel did not answer in time (CPU starvation,
+# docs/operations.md "Unanswered first calls"): named in a failure's message.
 STARVED = ("load_failed:claim", "load_failed:handshake")
 
 
@@ -99,13 +98,11 @@ def partial_characters(proxy_url: str) -> float:
 
 def assert_every_handoff_loaded(kind: str, loaded: float, prompts: list, starved: int, tail: int = 1) -> None:
     """D loaded N - ``tail`` tokens of every prompt (1 under replay, 0 under zero replay, where
-    D's prompt is P's N tokens plus P's first token), but for at most one that D recomputed
-    because P's side channel was starved (its text is still compared)."""
+    D's prompt is P's N tokens plus P's first token). A handoff D recomputed because P's side
+    channel did not answer fails here too: that is the CPU starvation to fix at its root
+    (docs/operations.md, "CPU hosts"), not to wave through."""
     full = sum(len(pr) - tail for pr in prompts)
-    if loaded != full and starved == 1 and any(loaded == full - (len(pr) - tail) for pr in prompts):
-        warnings.warn(f"{kind}: one handoff recomputed, P's side channel did not answer in time")
-        return
-    assert loaded == full, f"{kind}: D loaded {loaded} tokens of {full} ({starved} starved loads)"
+    assert loaded == full, f"{kind}: D loaded {loaded} tokens of {full} ({starved} loads without an answer from P)"
 
 
 def label(inst, rank) -> str:
