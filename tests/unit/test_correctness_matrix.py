@@ -1,9 +1,9 @@
 """The correctness matrix (rig/correctness_matrix.py, docs/correctness-matrix.md) cannot rot:
 
 - every cell's node-id patterns name tests that exist: each pattern's test function is defined in
-  its file (read with ``ast``, always), and matches at least one node id pytest collects (a
-  ``--collect-only`` subprocess, where vLLM and NIXL are installed), so a renamed test or
-  parametrize id fails here;
+  its file (read with ``ast``, always), and matches at least one node id pytest collects (this
+  run's collection, or a ``--collect-only`` subprocess; where vLLM and NIXL are installed), so a
+  renamed test or parametrize id fails here;
 - the declared cells are consistent (kinds, reasons, families the rig builds, the speculative
   skew cells' outcomes equal the connector's own rule);
 - the recorder plugin records pass, fail, skip, xfail and setup errors by node id and merges runs;
@@ -29,7 +29,16 @@ ROOT = cm.ROOT
 BY_ID = {cell.id: cell for cell in cm.CELLS}
 
 
-def _collect(files: list[str]) -> tuple[list[str], str]:
+def _collect(files: list[str], config: pytest.Config | None = None, items=()) -> tuple[list[str], str]:
+    """The node ids pytest collects from ``files``: this run's own where it collected every one
+    of them whole (the suite's command; a subprocess would spend ~16 s collecting it again),
+    else a ``--collect-only`` subprocess."""
+    if config is not None and config.rootpath == ROOT:
+        opts = config.option
+        whole = not (opts.keyword or opts.markexpr or getattr(opts, "deselect", None))
+        nodes = [item.nodeid for item in items if cm.pattern_file(item.nodeid) in files]
+        if whole and {cm.pattern_file(n) for n in nodes} == set(files):
+            return nodes, "(this run's collection)"
     env = {**os.environ, cm.OUTCOMES_ENV: "off"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
@@ -127,9 +136,9 @@ def test_the_function_check_sees_a_renamed_test():
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,
     reason="collecting tests/vllm and tests/e2e needs vLLM and NIXL (the function check above still runs)",
 )
-def test_every_pattern_matches_a_collected_test():
+def test_every_pattern_matches_a_collected_test(request):
     files = sorted({cm.pattern_file(p) for cell in cm.CELLS for p in cell.patterns})
-    nodes, output = _collect(files)
+    nodes, output = _collect(files, request.config, request.session.items)
     collected_files = {cm.pattern_file(n) for n in nodes}
     assert collected_files == set(files), f"files that collected nothing: {sorted(set(files) - collected_files)}\n{output}"
     missing = [(cell.id, p) for cell in cm.CELLS for p in cell.patterns if not cm.matching(p, nodes)]
