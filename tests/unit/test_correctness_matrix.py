@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,17 @@ ROOT = cm.ROOT
 BY_ID = {cell.id: cell for cell in cm.CELLS}
 
 
-def _collect(files: list[str], config: pytest.Config | None = None, items=()) -> tuple[list[str], str]:
+def _collect(
+    files: list[str], config: pytest.Config | None = None, items: Sequence[pytest.Item] = ()
+) -> tuple[list[str], str]:
     """The node ids pytest collects from ``files``: this run's own where it collected every one
     of them whole (the suite's command; a subprocess would spend ~16 s collecting it again),
     else a ``--collect-only`` subprocess."""
     if config is not None and config.rootpath == ROOT:
         opts = config.option
-        whole = not (opts.keyword or opts.markexpr or getattr(opts, "deselect", None))
+        narrowed = opts.keyword or opts.markexpr or getattr(opts, "deselect", None) or getattr(opts, "lf", False)
         nodes = [item.nodeid for item in items if cm.pattern_file(item.nodeid) in files]
-        if whole and {cm.pattern_file(n) for n in nodes} == set(files):
+        if not narrowed and {cm.pattern_file(n) for n in nodes} == set(files):
             return nodes, "(this run's collection)"
     env = {**os.environ, cm.OUTCOMES_ENV: "off"}
     proc = subprocess.run(
