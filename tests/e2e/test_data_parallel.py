@@ -100,7 +100,7 @@ def assert_every_handoff_loaded(kind: str, loaded: float, prompts: list, starved
     """D loaded N - ``tail`` tokens of every prompt (1 under replay, 0 under zero replay, where
     D's prompt is P's N tokens plus P's first token). A handoff D recomputed because P's side
     channel did not answer fails here too: that is the CPU starvation to fix at its root
-    (docs/operations.md, "CPU hosts"), not to wave through."""
+    (docs/operations.md, "Unanswered first calls"), not to wave through."""
     full = sum(len(pr) - tail for pr in prompts)
     assert loaded == full, f"{kind}: D loaded {loaded} tokens of {full} ({starved} loads without an answer from P)"
 

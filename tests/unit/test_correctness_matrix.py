@@ -39,8 +39,9 @@ def _collect(
     if config is not None and config.rootpath == ROOT:
         opts = config.option
         narrowed = opts.keyword or opts.markexpr or getattr(opts, "deselect", None) or getattr(opts, "lf", False)
-        nodes = [item.nodeid for item in items if cm.pattern_file(item.nodeid) in files]
-        if not narrowed and {cm.pattern_file(n) for n in nodes} == set(files):
+        wanted = set(files)
+        nodes = [item.nodeid for item in items if cm.pattern_file(item.nodeid) in wanted]
+        if not narrowed and {cm.pattern_file(n) for n in nodes} == wanted:
             return nodes, "(this run's collection)"
     env = {**os.environ, cm.OUTCOMES_ENV: "off"}
     proc = subprocess.run(
